@@ -1,0 +1,874 @@
+"""
+DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the
+two DFlash2 additions — a grouped dynamic local convolution and a low-rank candidate
+selector — plus its training objective, lossless speculative decoding and the checkpoint
+format that vLLM, SGLang and the z-lab `dflash` package load.
+
+References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
+Aug 2026); the z-lab `dflash` package (inference reference). SPEC.md in this repository
+pins every formula down; section numbers below (§n) point into it.
+
+How a DFlash2 drafter works. Given the last verified token (the anchor) at position a, the
+drafter reads the block [anchor, MASK, ..., MASK] (B tokens at positions a..a+B-1) and in
+one forward pass predicts the tokens at a+1..a+B-1 (slot k predicts position a+k, no
+shift). It has no embedding or LM head of its own: it borrows the frozen target's. It
+conditions on the target through context features (a few target layers' hidden states,
+concatenated and projected), injected as extra keys/values in every draft layer.
+
+Notable departures from a textbook decoder:
+  - attention inside a block is bidirectional; the context is never run through the MLP;
+  - a training sequence packs many blocks after its context; a block sees context
+    strictly before its anchor (the anchor's own target state does not exist yet when
+    drafting), its own block, and nothing else;
+  - the local convolution's taps never cross a block start;
+  - proposals come from a walk over the top-K candidates of each slot, scored with the
+    predecessor the walk actually chose, and verification uses that walk's q.
+Not implemented: logit soft-capping / output multipliers (Qwen3 has none), RoPE scaling
+other than the default, pruned draft vocabularies (DFlash2 needs the full vocabulary).
+
+Notation (shape comments): b batch, B block size, H hidden, V vocab, K candidates,
+R selector rank, S sequence length, N anchors per sequence, Kc conv taps, G conv group.
+"""
+import json
+import math
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# config
+
+
+@dataclass
+class DFlash2Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: list
+    mask_token_id: int
+    num_layers: int = 5
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 40960
+    block_size: int = 8
+    conv_kernel_size: int = 2      # 0 turns the local convolution off
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16       # 0 turns the candidate selector off
+    # conv and selector both off = plain DFlash (v1)
+
+    def __post_init__(self):
+        self.target_layer_ids = list(self.target_layer_ids)
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
+                     "vocab_size", "num_target_layers", "num_layers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.block_size < 2:
+            raise ValueError(f"block_size ({self.block_size}) must be >= 2 (an anchor plus at least one draft slot)")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id ({self.mask_token_id}) must be a token of the target vocabulary [0, {self.vocab_size})")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
+        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
+        if self.conv_kernel_size:
+            if not 1 <= self.conv_kernel_size <= self.block_size:
+                raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) must be in [1, block_size={self.block_size}], or 0 to disable")
+            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by conv_group_size ({self.conv_group_size})")
+        if self.selector_top_k:
+            if not 1 <= self.selector_top_k <= self.vocab_size:
+                raise ValueError(f"selector_top_k ({self.selector_top_k}) must be in [1, vocab_size={self.vocab_size}], or 0 to disable")
+            if self.selector_rank < 1:
+                raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 when the selector is on")
+
+    @classmethod
+    def from_target(cls, target_config, **overrides):
+        """Drafter shape from a transformers target config (drafter width = target width)."""
+        rope = getattr(target_config, "rope_parameters", None) or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"target rope_type {rope['rope_type']!r} is not supported, only 'default'")
+        L = target_config.num_hidden_layers
+        if "mask_token_id" not in overrides:
+            raise ValueError("from_target needs mask_token_id: an existing but unused token id of the target")
+        n_heads = target_config.num_attention_heads
+        shape = dict(
+            hidden_size=target_config.hidden_size,
+            intermediate_size=target_config.intermediate_size,
+            num_heads=n_heads,
+            num_kv_heads=getattr(target_config, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // n_heads,
+            vocab_size=target_config.vocab_size,
+            num_target_layers=L,
+            target_layer_ids=default_target_layer_ids(L),
+            rms_norm_eps=target_config.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 1e6)),
+            max_position_embeddings=target_config.max_position_embeddings,
+        )
+        unknown = set(overrides) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
+        return cls(**{**shape, **overrides})
+
+    @property
+    def is_dflash2(self):
+        return bool(self.conv_kernel_size or self.selector_top_k)
+
+
+def default_target_layer_ids(num_target_layers, num_features=5):
+    """SPEC §1: n == 1 -> [L // 2], else round(1 + i*(L-4)/(n-1)). Here n = min(5, L-3) so
+    that small targets still get distinct layers (36 layers -> [1, 9, 17, 25, 33])."""
+    L = num_target_layers
+    n = max(1, min(num_features, L - 3))
+    if n == 1:
+        return [L // 2]
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+
+
+# -----------------------------------------------------------------------------
+# small pure helpers
+
+
+def context_features(hidden_states, layer_ids):
+    """cat(h_l for l in layer_ids); layer id l is HF hidden_states[l + 1] (index 0 = embeddings)."""
+    return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, n*H)
+
+
+def rope_cos_sin(positions, head_dim, theta, dtype):
+    """Rotary tables for integer positions (..., T) -> (..., T, head_dim), as in Qwen3."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
+    freqs = positions[..., None].float() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (b, heads, T, hd); cos/sin (b, T, hd). Rotate-half convention of HF Llama/Qwen."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# drafter pieces: attention with context injection, local convolution, decoder layer
+
+
+class DraftCache:
+    """Context-only K/V cache of the drafter, one (k, v) pair per layer.
+
+    Only committed context ever enters it: block keys/values are used within a draft pass
+    and dropped, so after each pass the cache is already at the committed length and the
+    next pass only appends the context features of the newly committed tokens."""
+
+    def __init__(self, num_layers):
+        self.kv = [None] * num_layers
+        self.length = 0
+
+    def extend(self, layer_idx, k, v):
+        old = self.kv[layer_idx]
+        if old is not None:
+            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        self.kv[layer_idx] = (k, v)
+        return k, v
+
+
+class Attention(nn.Module):
+    """Queries from the block only; keys/values = [proj(ctx) ; proj(block)] (KV injection)."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+
+    def _split_heads(self, y, n):
+        return y.view(*y.shape[:2], n, self.c.head_dim).transpose(1, 2)  # (b, n, T, hd)
+
+    def forward(self, x, ctx, block_rope, ctx_rope, mask=None, cache=None, layer_idx=0):
+        """x (b, T, H) block; ctx (b, S, H) projected context features (only the new ones
+        when a cache is given); mask (b, 1, T, S+T) bool or None."""
+        nh, nkv = self.c.num_heads, self.c.num_kv_heads
+        q = apply_rope(self.q_norm(self._split_heads(self.q_proj(x), nh)), *block_rope)
+        # the same k/v projections (and k_norm) serve context and block; only RoPE positions differ
+        k_ctx = apply_rope(self.k_norm(self._split_heads(self.k_proj(ctx), nkv)), *ctx_rope)
+        v_ctx = self._split_heads(self.v_proj(ctx), nkv)
+        if cache is not None:
+            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
+        k_blk = apply_rope(self.k_norm(self._split_heads(self.k_proj(x), nkv)), *block_rope)
+        v_blk = self._split_heads(self.v_proj(x), nkv)
+        k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)  # GQA
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, T, hd)
+        return self.o_proj(y.transpose(1, 2).flatten(2))
+
+
+class MLP(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def local_conv(x, delta, base, block_size):
+    """Grouped dynamic causal convolution along each block (§2).
+
+        out[i, c] = Σ_{t<Kc} (base[t, c] + δ[i, t, g(c)]) · x[i − t, c],   g(c) = c // G
+        x[i − t] := 0 when (i mod B) < t
+
+    x (b, T, H) laid out block by block (T a multiple of B, or one block of T <= B);
+    delta (b, T, Kc, H/G) computed at the output position; base (Kc, H).
+    Training packs blocks back to back, so a tap that reaches across a block start would
+    read the previous block's tokens: those taps are zeroed, not just padded at T = 0."""
+    T, H = x.shape[1], x.shape[2]
+    Kc, G = base.shape[0], H // delta.shape[-1]
+    pos_in_block = torch.arange(T, device=x.device) % block_size
+    out = torch.zeros_like(x)
+    for t in range(Kc):
+        shifted = F.pad(x, (0, 0, t, 0))[:, :T]  # shifted[:, i] = x[:, i - t]
+        shifted = shifted * (pos_in_block >= t).to(x.dtype)[:, None]
+        coef = base[t] + delta[:, :, t].repeat_interleave(G, dim=-1)
+        out = out + coef * shifted
+    return out
+
+
+class LocalConv(nn.Module):
+    """Both sides of the convolution around one sublayer: `prepare` convolves the
+    sublayer's normalised input and returns the output side's dynamic kernel, `finish`
+    convolves the sublayer's output with it. Both sides' δ come from the input u."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.block_size, self.taps, self.groups = c.block_size, c.conv_kernel_size, c.hidden_size // c.conv_group_size
+        self.base_kernel = nn.Parameter(torch.empty(2, self.taps, c.hidden_size))  # [side, tap, channel]
+        self.kernel_projection = nn.Linear(c.hidden_size, 2 * self.taps * self.groups, bias=False)
+
+    def prepare(self, u):
+        delta = self.kernel_projection(u).view(*u.shape[:2], 2, self.taps, self.groups)  # [side, tap, group]
+        return local_conv(u, delta[:, :, 0], self.base_kernel[0], self.block_size), delta[:, :, 1]
+
+    def finish(self, y, delta_out):
+        return local_conv(y, delta_out, self.base_kernel[1], self.block_size)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+        if c.conv_kernel_size:
+            self.attention_conv = LocalConv(c)
+            self.mlp_conv = LocalConv(c)
+
+    def forward(self, h, ctx, block_rope, ctx_rope, mask, cache, layer_idx):
+        conv = hasattr(self, "attention_conv")
+        u = self.input_layernorm(h)
+        if conv:
+            u, delta = self.attention_conv.prepare(u)  # block Q/K/V come from u'; the context is not convolved
+        y = self.self_attn(u, ctx, block_rope, ctx_rope, mask, cache, layer_idx)
+        h = h + (self.attention_conv.finish(y, delta) if conv else y)
+        u = self.post_attention_layernorm(h)
+        if conv:
+            u, delta = self.mlp_conv.prepare(u)
+        y = self.mlp(u)
+        return h + (self.mlp_conv.finish(y, delta) if conv else y)
+
+
+# -----------------------------------------------------------------------------
+# candidate selector (§3)
+
+
+class CandidateSelector(nn.Module):
+    """S[j](p, c) = U[j, c] + Σ_r A[p, r] · P[j, r] · Bc[c, r],  P[j] = hidden_projection(h[j])."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.top_k = c.selector_top_k
+        self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
+        self.predecessor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
+        self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
+
+    def edge_scores(self, h, unary, prev, cand):
+        """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32.
+        Scores stay in fp32: in bf16 about 1% of the argmaxes flip."""
+        P = self.hidden_projection(h).float()                  # (..., R)
+        A = self.predecessor_codebook[prev].float()            # (..., R)
+        Bc = self.successor_codebook[cand].float()             # (..., K, R)
+        pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
+        return unary.float().gather(-1, cand) + pairwise
+
+    def walk(self, h, unary, anchor, temperature=0.0, generator=None):
+        """Walk the slots from the verified anchor, feeding each choice forward (§3).
+
+        h (M, B-1, H), unary (M, B-1, V), anchor (M,) -> path (M, B-1), cand (M, B-1, K),
+        q (M, B-1, K) fp32: at T > 0 the law each choice was sampled from, conditional on
+        the predecessor the walk actually picked (any other q makes verification lossy);
+        at T = 0 one-hot on the argmax (lowest index on ties)."""
+        cand = unary.topk(self.top_k, dim=-1).indices            # (M, B-1, K)
+        prev, path, qs = anchor, [], []
+        for j in range(cand.shape[1]):
+            s = self.edge_scores(h[:, j], unary[:, j], prev, cand[:, j])  # (M, K)
+            if temperature == 0:
+                pick = s.argmax(-1)
+                q = F.one_hot(pick, s.shape[-1]).float()
+            else:
+                q = torch.softmax(s / temperature, dim=-1)
+                pick = torch.multinomial(q, 1, generator=generator).squeeze(-1)
+            prev = cand[:, j].gather(-1, pick[:, None]).squeeze(-1)
+            path.append(prev)
+            qs.append(q)
+        return torch.stack(path, 1), cand, torch.stack(qs, 1)
+
+
+# -----------------------------------------------------------------------------
+# the drafter
+
+
+@torch.no_grad()
+def init_weights(m):
+    """N(0, 0.02) linears; RMSNorm weights 1. Module.apply visits children first, so the
+    rules for LocalConv and CandidateSelector below override their inner linears.
+    Identity convolution (tap 0 = 1, other taps and the dynamic part 0): a fresh DFlash2
+    layer computes exactly what the DFlash layer with the same weights computes.
+    Successor codebook 0: a fresh selector's scores are the unary logits exactly, so a
+    fresh DFlash2 drafter proposes what DFlash proposes (and DFlash warm-starts cleanly)."""
+    if isinstance(m, nn.Linear):
+        nn.init.normal_(m.weight, std=0.02)
+    elif isinstance(m, RMSNorm):
+        nn.init.ones_(m.weight)
+    elif isinstance(m, LocalConv):
+        m.base_kernel.zero_()
+        m.base_kernel[:, 0] = 1.0
+        nn.init.zeros_(m.kernel_projection.weight)
+    elif isinstance(m, CandidateSelector):
+        nn.init.normal_(m.predecessor_codebook, std=0.02)
+        nn.init.zeros_(m.successor_codebook)
+
+
+class DFlash2Drafter(nn.Module):
+    """Parameter names follow the checkpoint contract (§7), so export is a plain state_dict.
+    The target's embedding and lm_head are passed in by the caller, never owned."""
+
+    def __init__(self, config):
+        super().__init__()
+        c = self.config = config
+        self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        if c.selector_top_k:
+            self.candidate_selector = CandidateSelector(c)
+        self.apply(init_weights)
+
+    def forward(self, block_embeds, block_pos, ctx_features, ctx_pos, mask=None, cache=None):
+        """block_embeds (b, T, H) target embeddings of the block tokens at positions
+        block_pos (b, T); ctx_features (b, S, n*H) raw target features at ctx_pos (b, S);
+        mask (b, 1, T, S+T) bool (True = may attend) or None (= see everything).
+        With a cache, ctx_features are only the new context. Returns (b, T, H), normalized."""
+        c = self.config
+        ctx = self.hidden_norm(self.fc(ctx_features))  # computed once, shared by every layer
+        block_rope = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, block_embeds.dtype)
+        ctx_rope = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, block_embeds.dtype)
+        h = block_embeds
+        for i, layer in enumerate(self.layers):
+            h = layer(h, ctx, block_rope, ctx_rope, mask, cache, i)
+        if cache is not None:
+            cache.length += ctx_features.shape[1]
+        return self.norm(h)
+
+    def propose(self, h, unary, anchor, temperature=0.0, generator=None):
+        """Draft tokens for one block's slots 1..B-1: the selector walk, or with the
+        selector off the unary argmax (T = 0) / a unary sample (T > 0) over the whole
+        vocabulary. Returns path (M, B-1), cand (M, B-1, K or V), q (M, B-1, K or V)."""
+        if self.config.selector_top_k:
+            return self.candidate_selector.walk(h, unary, anchor, temperature, generator)
+        M, n, V = unary.shape
+        cand = torch.arange(V, device=unary.device).expand(M, n, V)
+        if temperature == 0:
+            path = unary.argmax(-1)
+            return path, cand, F.one_hot(path, V).float()
+        q = torch.softmax(unary.float() / temperature, dim=-1)
+        path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
+        return path, cand, q
+
+    def save_pretrained(self, path, dtype=torch.bfloat16):
+        save_checkpoint(self, path, dtype)  # checkpoint I/O is the last section of this file
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32, **overrides):
+        return load_checkpoint(path, dtype, **overrides)
+
+
+# -----------------------------------------------------------------------------
+# block masking and anchors (§6)
+
+
+def sample_anchors(loss_mask, max_anchors, generator=None):
+    """Per sequence, up to max_anchors distinct positions a with loss_mask[a] = 1 and
+    a + 1 < S_i (S_i = the row's length up to its last real token), sorted.
+    Returns anchors (b, N) long and valid (b, N) bool; padding anchors sit at 0."""
+    if max_anchors < 1:
+        raise ValueError(f"max_anchors ({max_anchors}) must be >= 1")
+    b, S = loss_mask.shape
+    chosen = []
+    for row in loss_mask.bool():
+        eligible = row.clone()
+        eligible[-1] = False                         # a + 1 < S: at least one slot to predict
+        idx = eligible.nonzero().squeeze(-1)
+        perm = torch.randperm(len(idx), generator=generator)[:max_anchors]
+        chosen.append(idx[perm.to(idx.device)].sort().values)
+    N = max(1, max(len(a) for a in chosen))
+    anchors = torch.zeros(b, N, dtype=torch.long, device=loss_mask.device)
+    valid = torch.zeros(b, N, dtype=torch.bool, device=loss_mask.device)
+    for i, a in enumerate(chosen):
+        anchors[i, :len(a)], valid[i, :len(a)] = a, True
+    return anchors, valid
+
+
+def block_layout(input_ids, anchors, block_size, mask_token_id):
+    """Blocks [x[a_j], MASK x (B-1)] at positions a_j + 0..B-1, concatenated:
+    ids (b, N*B), positions (b, N*B)."""
+    b, N = anchors.shape
+    ids = torch.full((b, N, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
+    ids[:, :, 0] = input_ids.gather(1, anchors)
+    pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)
+    return ids.view(b, N * block_size), pos.view(b, N * block_size)
+
+
+def block_attention_mask(anchors, attention_mask, block_size):
+    """Dense (b, 1, N*B, S + N*B) bool mask over keys [context ; blocks].
+
+    A query of block j sees context key s iff s < a_j (strictly: at inference the anchor's
+    own target state is not computed yet) and s is a real token; it sees every token of
+    its own block (bidirectional); nothing of other blocks."""
+    b, N = anchors.shape
+    S = attention_mask.shape[1]
+    s = torch.arange(S, device=anchors.device)
+    ctx = (s[None, None, :] < anchors[:, :, None]) & attention_mask.bool()[:, None, :]   # (b, N, S)
+    ctx = ctx.repeat_interleave(block_size, dim=1)                                          # (b, N*B, S)
+    blk = torch.arange(N * block_size, device=anchors.device) // block_size
+    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)                                  # (b, N*B, N*B)
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+# -----------------------------------------------------------------------------
+# loss and metrics (§6)
+
+
+def default_gamma(block_size):
+    """Decay of the position weights w_k = exp(-(k-1)/γ): the published 4/5/7 for B = 8/10/16,
+    otherwise B/2."""
+    return {8: 4.0, 10: 5.0, 16: 7.0}.get(block_size, block_size / 2)
+
+
+def expected_acceptance_length(correct):
+    """correct (..., B-1) bool per slot -> 1 + number of leading correct slots (bonus counted)."""
+    return 1 + correct.long().cumprod(-1).sum(-1).float()
+
+
+def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, target_logits,
+                 anchors, anchor_valid, loss_type="kl", gamma=None, alpha=1.0, detach_selector=False):
+    """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
+
+    Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
+    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1.
+    L_unary: forward KL(target ‖ draft) or CE on the target argmax, weighted by
+    w_k = exp(-(k-1)/γ) and normalised by Σw. L_sel: K-way CE of the edge scores with the
+    data token at t - 1 as predecessor (teacher forcing; slot 1's is the anchor), over
+    slots whose label is among the top-K (the selector can never pick any other)."""
+    if loss_type not in ("kl", "ce"):
+        raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
+    c = drafter.config
+    B, (b, S) = c.block_size, input_ids.shape
+    N = anchors.shape[1]
+    gamma = gamma or default_gamma(B)
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+
+    ctx = context_features(hidden_states, c.target_layer_ids).to(embed.weight.dtype)
+    ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
+    mask = block_attention_mask(anchors, attention_mask, B)
+    ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
+    h = drafter(embed(ids), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
+    unary = lm_head(h).float()                                                    # (b, N, B-1, V)
+
+    t = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)           # (b, N, B-1)
+    t_in = t.clamp(max=S - 1)
+    counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.view(b, -1)).view_as(t)
+    ref = target_logits.float().gather(1, (t_in - 1).view(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
+    ref = ref.view(b, N, B - 1, -1)                                               # (b, N, B-1, V)
+    label = ref.argmax(-1)                                                        # (b, N, B-1)
+    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=torch.float) / gamma).expand_as(counted)
+
+    logq = F.log_softmax(unary, dim=-1)
+    if loss_type == "kl":
+        logp = F.log_softmax(ref, dim=-1)
+        per_slot = (logp.exp() * (logp - logq)).sum(-1)
+    else:
+        per_slot = -logq.gather(-1, label[..., None]).squeeze(-1)
+    wc = w * counted
+    unary_loss = (wc * per_slot).sum() / wc.sum().clamp(min=1e-9)
+    loss, stats = unary_loss, {}
+
+    prev = input_ids.gather(1, (t_in - 1).view(b, -1)).view_as(t)  # data token at t-1 (slot 1: the anchor)
+    if c.selector_top_k:
+        h_s, u_s = (h.detach(), unary.detach()) if detach_selector else (h, unary)
+        cand = u_s.topk(c.selector_top_k, dim=-1).indices                 # (b, N, B-1, K)
+        scores = drafter.candidate_selector.edge_scores(h_s, u_s, prev, cand)
+        hit = cand == label[..., None]
+        ws = wc * hit.any(-1)
+        ce = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
+        selector_loss = (ws.flatten() * ce).sum() / ws.sum().clamp(min=1e-9)
+        loss = loss + alpha * selector_loss
+        stats["selector_loss"] = selector_loss.item()
+
+    with torch.no_grad():
+        stats.update(_metrics(drafter, h, unary, label, counted, prev))
+    stats["loss"], stats["unary_loss"] = loss.item(), unary_loss.item()
+    return loss, stats
+
+
+def _metrics(drafter, h, unary, label, counted, prev):
+    """§6 metrics over counted slots; a slot that isn't counted ends an acceptance run.
+    h (b, N, B-1, H), unary (b, N, B-1, V), label/counted/prev (b, N, B-1)."""
+    c = drafter.config
+    blocks = counted[..., 0]
+    n_blocks = blocks.sum().clamp(min=1)
+    per_slot = lambda hit, among: ((hit & among).sum((0, 1)) / among.sum((0, 1)).clamp(min=1)).tolist()
+    overall = lambda hit: ((hit & counted).sum() / counted.sum().clamp(min=1)).item()
+    mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
+    greedy_hit = unary.argmax(-1) == label
+    m = {"slot_acc": per_slot(greedy_hit, counted), "al_unary": mean_al(greedy_hit)}
+    if c.selector_top_k:
+        sel, (b, N, n, H) = drafter.candidate_selector, h.shape
+        cand = unary.topk(c.selector_top_k, dim=-1).indices
+        topk_hit = (cand == label[..., None]).any(-1)
+        tf_pick = cand.gather(-1, sel.edge_scores(h, unary, prev, cand).argmax(-1, keepdim=True)).squeeze(-1)
+        # self-conditioned: the walk feeds its own choices forward, starting at the anchor
+        path = sel.walk(h.reshape(b * N, n, H), unary.reshape(b * N, n, -1), prev[..., 0].reshape(-1))[0]
+        walk_hit = path.view(b, N, n) == label
+        run = (walk_hit & counted).long().cumprod(-1).bool()
+        reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right
+        m.update(recall_at_k=overall(topk_hit), selector_tf_acc=overall(tf_pick == label),
+                 selector_path_acc=per_slot(walk_hit, reached),
+                 al_selector=mean_al(walk_hit), al_oracle=mean_al(topk_hit))
+    return m
+
+
+# -----------------------------------------------------------------------------
+# speculative decoding (§4, §5)
+
+
+def target_probs(logits, temperature, top_p=1.0, top_k=0):
+    """p = softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64).
+    These filters shape p only; the drafter's q is never filtered."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if top_k:
+        kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(dim=-1, descending=True)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
+        p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
+        p = p / p.sum(-1, keepdim=True)
+    return p
+
+
+def verify_greedy(draft, logits):
+    """T = 0: accept the longest prefix of draft (n,) equal to the target argmax of logits
+    (n+1, V); the bonus is the target's argmax right after it. -> (n_accepted, bonus)."""
+    pred = logits.argmax(-1)
+    n_acc = int((draft == pred[:-1]).long().cumprod(0).sum())
+    return n_acc, int(pred[n_acc])
+
+
+def acceptance_probability(p, q, token):
+    """Keep a draft token with probability min(1, p[token] / q[token])."""
+    return torch.clamp(p[token] / q[token], max=1.0)
+
+
+def residual_distribution(p, q):
+    """After a rejection, sample from normalize(max(0, p - q)); p itself if that is all zero
+    (only when p = q, where rejection cannot happen anyway)."""
+    r = (p - q).clamp(min=0)
+    return r / r.sum() if r.sum() > 0 else p
+
+
+def verify_sampled(draft, q, p, generator=None):
+    """T > 0 rejection sampling (Leviathan et al. / Chen et al.) with a sparse proposal.
+    draft (n,), q (n, V) the law each draft token was sampled from (0 outside its
+    candidates, conditional on the drafted predecessor), p (n+1, V) target laws.
+    Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
+    for i, d in enumerate(draft.tolist()):
+        u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
+        if u >= acceptance_probability(p[i], q[i], d):
+            return i, int(torch.multinomial(residual_distribution(p[i], q[i]), 1, generator=generator))
+    return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
+
+
+@dataclass
+class GenerationStats:
+    acceptance_lengths: list = field(default_factory=list)   # tokens committed per cycle, bonus included
+    accepted_per_slot: list = field(default_factory=list)    # cycles in which slot k was accepted
+    target_forwards: int = 0                                 # prefill included
+    new_tokens: int = 0
+    decode_seconds: float = 0.0                              # everything after the prefill
+
+    @property
+    def mean_acceptance_length(self):
+        return sum(self.acceptance_lengths) / max(1, len(self.acceptance_lengths))
+
+    @property
+    def tokens_per_second(self):
+        return self.new_tokens / max(self.decode_seconds, 1e-9)
+
+
+def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature ({temperature}) must be >= 0")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
+    if top_k < 0:
+        raise ValueError(f"top_k ({top_k}) must be >= 0")
+
+
+def _sample(logits, temperature, top_p, top_k, generator):
+    if temperature == 0:
+        return int(logits.argmax(-1))
+    return int(torch.multinomial(target_probs(logits, temperature, top_p, top_k), 1, generator=generator))
+
+
+def _now(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _emit(tokens, new, stop_ids, max_new_tokens):
+    """Append new tokens, stopping after a stop token or at max_new_tokens; -> done."""
+    for tok in new:
+        tokens.append(tok)
+        if tok in stop_ids or len(tokens) >= max_new_tokens:
+            return True
+    return False
+
+
+@torch.no_grad()
+def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                    stop_token_ids=None, generator=None):
+    """Plain autoregressive decoding with the same cache and sampling code: the baseline."""
+    from transformers import DynamicCache
+    _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
+    stats, stop_ids, tokens = GenerationStats(), set(stop_token_ids or ()), []
+    cache = DynamicCache(config=target.config)
+    logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
+    start = _now(input_ids.device)
+    stats.target_forwards = 1
+    while not _emit(tokens, [_sample(logits, temperature, top_p, top_k, generator)], stop_ids, max_new_tokens):
+        logits = target(torch.tensor([[tokens[-1]]], device=input_ids.device), cache=cache, use_cache=True).logits[0, -1]
+        stats.target_forwards += 1
+    stats.decode_seconds, stats.new_tokens = _now(input_ids.device) - start, len(tokens)
+    return torch.tensor(tokens, dtype=torch.long), stats
+
+
+@torch.no_grad()
+def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
+                  stop_token_ids=None, generator=None):
+    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5).
+    Returns (new token ids (n,), GenerationStats). Output equals target_generate's token
+    for token at T = 0 and follows the target's law at T > 0."""
+    from transformers import DynamicCache
+    _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
+    c, dev = drafter.config, input_ids.device
+    B, P = c.block_size, input_ids.shape[1]
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    dtype = drafter.fc.weight.dtype
+    stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
+
+    cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
+    out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    new_ctx = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
+    start, stats.target_forwards = _now(dev), 1
+    done = _emit(tokens, [_sample(out.logits[0, -1], temperature, top_p, top_k, generator)], stop_ids, max_new_tokens)
+    while not done:
+        # the anchor is the last emitted token; the target has not seen it yet
+        a = P + len(tokens) - 1
+        block = torch.full((1, B), c.mask_token_id, dtype=torch.long, device=dev)
+        block[0, 0] = tokens[-1]
+        h = drafter(embed(block).to(dtype), torch.arange(a, a + B, device=dev)[None], new_ctx.to(dtype),
+                    torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
+        unary = lm_head(h.to(lm_head.weight.dtype)).float()
+        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator)
+        n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
+        draft = path[0, :n]
+
+        out = target(torch.cat([block[:, :1], draft[None]], 1), cache=cache, use_cache=True, output_hidden_states=True)
+        stats.target_forwards += 1
+        logits = out.logits[0]                                  # (n+1, V)
+        if temperature == 0:
+            n_acc, bonus = verify_greedy(draft, logits)
+        else:
+            q_vocab = torch.zeros(n, logits.shape[-1], device=dev, dtype=torch.float64)
+            q_vocab.scatter_(-1, cand[0, :n], q[0, :n].double())
+            n_acc, bonus = verify_sampled(draft, q_vocab, target_probs(logits.double(), temperature, top_p, top_k), generator)
+        if n - n_acc:
+            cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
+        new_ctx = context_features(out.hidden_states, c.target_layer_ids)[:, :n_acc + 1]  # anchor + accepted
+        stats.acceptance_lengths.append(n_acc + 1)
+        for k in range(n_acc):
+            stats.accepted_per_slot[k] += 1
+        done = _emit(tokens, draft[:n_acc].tolist() + [bonus], stop_ids, max_new_tokens)
+    stats.decode_seconds, stats.new_tokens = _now(dev) - start, len(tokens)
+    return torch.tensor(tokens, dtype=torch.long), stats
+
+
+# -----------------------------------------------------------------------------
+# checkpoint I/O (§7): config.json + model.safetensors, as vLLM, SGLang and z-lab load
+
+
+def checkpoint_config(c):
+    """config.json of the drafter: a Qwen3 config plus the DFlash/DFlash2 fields."""
+    dflash = {"block_size": c.block_size, "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids}
+    if c.is_dflash2:
+        dflash.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
+                      selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
+    return {
+        "architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "num_target_layers": c.num_target_layers,
+        "block_size": c.block_size,
+        "dflash_config": dflash,
+    }
+
+
+def save_checkpoint(drafter, path, dtype=torch.bfloat16):
+    """Write the export folder under a temporary name, then rename it into place, so a
+    crash never leaves a half-written checkpoint under `path`."""
+    from safetensors.torch import save_file
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+    path = os.path.abspath(path)
+    config = {**checkpoint_config(drafter.config), "torch_dtype": str(dtype).removeprefix("torch.")}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.exists(path):  # replace an older export: move it aside first, then swap
+            old = tmp + "-old"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_checkpoint(path, dtype=torch.float32, **overrides):
+    """Read a DFlash2 or DFlash (v1) export folder; no pickle on this path.
+
+    A v1 checkpoint loads into a v1 drafter, or, with overrides that switch the
+    convolution/selector on (e.g. conv_kernel_size=2, selector_top_k=16), into a DFlash2
+    drafter whose new parts start from the identity init (warm start)."""
+    from safetensors.torch import load_file
+    cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    for f in (cfg_file, weights_file):
+        if not os.path.isfile(f):
+            raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    arch = (raw.get("architectures") or [None])[0]
+    if arch not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        raise ValueError(f"{cfg_file}: architectures {raw.get('architectures')} is not a DFlash drafter "
+                         "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
+    dflash = raw.get("dflash_config", {})
+    try:
+        fields = dict(
+            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
+            num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"],
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"],
+            target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],
+            block_size=dflash.get("block_size", raw.get("block_size")), rms_norm_eps=raw["rms_norm_eps"],
+            rope_theta=raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"],
+            max_position_embeddings=raw["max_position_embeddings"],
+            conv_kernel_size=dflash.get("conv_kernel_size", 0), conv_group_size=dflash.get("conv_group_size", 16),
+            selector_rank=dflash.get("selector_rank", 256), selector_top_k=dflash.get("selector_top_k", 0))
+    except KeyError as e:
+        raise ValueError(f"{cfg_file} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
+    if fields["block_size"] is None:
+        raise ValueError(f"{cfg_file} lacks block_size (top level or in dflash_config)")
+    unknown = set(overrides) - set(DFlash2Config.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
+    drafter = DFlash2Drafter(DFlash2Config(**{**fields, **overrides}))
+
+    tensors, expected = load_file(weights_file), drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if arch == "DFlashDraftModel":  # warm start: the DFlash2 parts keep their identity init
+        missing = [k for k in missing if "_conv." not in k and not k.startswith("candidate_selector.")]
+    unexpected = sorted(set(tensors) - set(expected))
+    mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+                        if k in tensors and tensors[k].shape != v.shape)
+    if missing or unexpected or mis_shaped:
+        raise ValueError(f"{weights_file} does not match the drafter config: missing {missing}, "
+                         f"unexpected {unexpected}, mis-shaped {mis_shaped}")
+    drafter.load_state_dict(tensors, strict=False)
+    return drafter.to(dtype)
