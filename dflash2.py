@@ -440,16 +440,17 @@ class DFlash2Drafter(nn.Module):
 
 def sample_anchors(loss_mask, max_anchors, generator=None):
     """Per sequence, up to max_anchors distinct positions a with loss_mask[a] = 1 and
-    a + 1 < S_i (S_i = the row's length up to its last real token), sorted.
+    a + 1 < S, sorted. Also loss_mask[a + 1] = 1: an anchor whose first slot is not
+    trained on (end of a turn, start of padding) would only waste a block.
     Returns anchors (b, N) long and valid (b, N) bool; padding anchors sit at 0."""
     if max_anchors < 1:
         raise ValueError(f"max_anchors ({max_anchors}) must be >= 1")
-    b, S = loss_mask.shape
+    b = loss_mask.shape[0]
+    lm = loss_mask.bool()
+    eligible = lm[:, :-1] & lm[:, 1:]                # (b, S-1): position a, with a + 1 < S
     chosen = []
-    for row in loss_mask.bool():
-        eligible = row.clone()
-        eligible[-1] = False                         # a + 1 < S: at least one slot to predict
-        idx = eligible.nonzero().squeeze(-1)
+    for row in eligible:
+        idx = row.nonzero().squeeze(-1)
         perm = torch.randperm(len(idx), generator=generator)[:max_anchors]
         chosen.append(idx[perm.to(idx.device)].sort().values)
     N = max(1, max(len(a) for a in chosen))
@@ -519,12 +520,13 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     gamma = gamma or default_gamma(B)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
 
-    ctx = context_features(hidden_states, c.target_layer_ids).to(embed.weight.dtype)
+    dtype = drafter.fc.weight.dtype
+    ctx = context_features(hidden_states, c.target_layer_ids).to(dtype)
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
-    h = drafter(embed(ids), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
-    unary = lm_head(h).float()                                                    # (b, N, B-1, V)
+    h = drafter(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
+    unary = lm_head(h.to(lm_head.weight.dtype)).float()                                     # (b, N, B-1, V)
 
     t = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)           # (b, N, B-1)
     t_in = t.clamp(max=S - 1)

@@ -1,0 +1,889 @@
+"""Core tests of dflash2.py (SPEC §1-§3, §6): drafter, local convolution, candidate
+selector, block masking, anchors, loss and metrics. Every hand-written piece is checked
+against an independent reference (a naive loop, brute force or exact enumeration) on tiny
+random Qwen3 targets built from a config; nothing is downloaded. Comparisons run in
+float64. Run: python -m pytest test_dflash2.py -q
+"""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv,
+                     block_attention_mask, block_layout, context_features, default_gamma,
+                     default_target_layer_ids, dflash2_loss, expected_acceptance_length, local_conv,
+                     sample_anchors)
+
+V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
+MASK_ID = V - 1           # never drawn as a data token
+S = 20                    # sequence length of the test batch
+LAYER_IDS = [0, 2]        # two context features out of the target's four layers
+WIDE_K = 32               # a top-K that holds about a third of the labels of a random drafter,
+                          # so the selector loss sees slots in and out of its candidates
+# anchors of the test batch: row 0 has a block at 0 (empty context), a block whose slot 1
+# is outside loss_mask (9) and one running past the end (18); row 1 is right-padded from
+# 14 on, its block at 12 runs into the padding and its last two anchors are padding
+ANCHORS = torch.tensor([[0, 5, 8, 14, 18], [3, 7, 12, 0, 0]])
+VALID = torch.tensor([[True] * 5, [True, True, True, False, False]])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """These tensors are tiny: a second intra-op thread buys nothing and, on a shared
+    2-core machine, spin-waiting made the overfit run 7x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def target_config(**kw):
+    return Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       max_position_embeddings=256, **kw)
+
+
+def make_target(lm_head_scale=1.0):
+    torch.manual_seed(0)
+    target = Qwen3ForCausalLM(target_config()).double().eval().requires_grad_(False)
+    target.lm_head.weight.mul_(lm_head_scale)
+    return target
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+def make_config(**overrides):
+    small = dict(mask_token_id=MASK_ID, num_layers=2, block_size=B, target_layer_ids=LAYER_IDS,
+                 conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
+    return DFlash2Config.from_target(target_config(), **{**small, **overrides})
+
+
+def make_drafter(seed=0, randomize=False, **overrides):
+    """randomize: move the convolution and the selector off their identity init, so that
+    leaks across blocks or predecessors cannot hide behind zero weights."""
+    torch.manual_seed(seed)
+    drafter = DFlash2Drafter(make_config(**overrides)).double()
+    if randomize:
+        with torch.no_grad():
+            for m in drafter.modules():
+                if isinstance(m, LocalConv):
+                    m.base_kernel.normal_(0, 0.5)
+                    m.kernel_projection.weight.normal_(0, 0.3)
+                elif isinstance(m, CandidateSelector):
+                    m.hidden_projection.weight.normal_(0, 0.3)
+                    m.predecessor_codebook.normal_(0, 1.0)
+                    m.successor_codebook.normal_(0, 1.0)
+    return drafter
+
+
+def make_batch(target, seed=0):
+    """Two rows of S tokens; row 1 right-padded from 14; loss_mask 0 on a 3-token prompt,
+    on padding and at position 9."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V - 1, (2, S), generator=g)
+    attention_mask = torch.ones(2, S, dtype=torch.long)
+    attention_mask[1, 14:] = 0
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    loss_mask[0, 9] = 0
+    with torch.no_grad():
+        out = target(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                hidden_states=out.hidden_states, target_logits=out.logits)
+
+
+@pytest.fixture(scope="module")
+def batch(target):
+    return make_batch(target)
+
+
+def packed_inputs(target, batch, anchors=ANCHORS, ids=None, ctx=None):
+    """Drafter inputs in the training layout dflash2_loss builds: every block packed after
+    the context, dense mask. ids / ctx replace the block token ids / context features."""
+    layout_ids, pos = block_layout(batch["input_ids"], anchors, B, MASK_ID)
+    embeds = target.model.embed_tokens(layout_ids if ids is None else ids)
+    ctx = context_features(batch["hidden_states"], LAYER_IDS) if ctx is None else ctx
+    mask = block_attention_mask(anchors, batch["attention_mask"], B)
+    return embeds, pos, ctx, torch.arange(S).expand(len(pos), S), mask
+
+
+def draft_packed(drafter, target, batch, **kw):
+    with torch.no_grad():
+        return drafter(*packed_inputs(target, batch, **kw))
+
+
+def loss_and_logits(drafter, target, batch, **kw):
+    """dflash2_loss on the test anchors, plus the drafter output it computed (b, N, B, H)
+    and the unary logits of slots 1..B-1 (b, N, B-1, V), read off a forward hook."""
+    seen = []
+    hook = drafter.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, **kw)
+    finally:
+        hook.remove()
+    h = seen[0].detach().view(*ANCHORS.shape, B, H)
+    return loss, stats, h, target.lm_head(h[:, :, 1:])
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+# -----------------------------------------------------------------------------
+# independent references: plain python loops over the formulas of SPEC.md
+
+
+def ref_rms(x, weight, eps):
+    return weight * x / torch.sqrt((x * x).mean() + eps)
+
+
+def ref_rope(x, pos, theta):
+    """Rotate the pairs (x[i], x[i + d/2]) by the angle pos * theta^(-2i/d)."""
+    d = x.shape[0]
+    out = x.clone()
+    for i in range(d // 2):
+        angle = pos * theta ** (-2 * i / d)
+        c, s = math.cos(angle), math.sin(angle)
+        out[i] = x[i] * c - x[i + d // 2] * s
+        out[i + d // 2] = x[i + d // 2] * c + x[i] * s
+    return out
+
+
+def ref_attention(attn, x, ctx, blk_pos, ctx_pos, allowed):
+    """One row: x (T, H) block, ctx (S, H) projected context, allowed (T, S+T) bool.
+    Keys/values [ctx ; block] through the same projections; query head h reads kv head
+    h // (nh / nkv)."""
+    c = attn.c
+    nh, nkv, hd = c.num_heads, c.num_kv_heads, c.head_dim
+    src = torch.cat([ctx, x])
+    src_pos = list(ctx_pos) + list(blk_pos)
+    keys = [(attn.k_proj.weight @ s).view(nkv, hd) for s in src]
+    vals = [(attn.v_proj.weight @ s).view(nkv, hd) for s in src]
+    out = []
+    for i in range(x.shape[0]):
+        q = (attn.q_proj.weight @ x[i]).view(nh, hd)
+        heads = []
+        for h in range(nh):
+            g = h // (nh // nkv)
+            qh = ref_rope(ref_rms(q[h], attn.q_norm.weight, c.rms_norm_eps), blk_pos[i], c.rope_theta)
+            scores = torch.stack([
+                qh @ ref_rope(ref_rms(keys[n][g], attn.k_norm.weight, c.rms_norm_eps), src_pos[n], c.rope_theta)
+                / math.sqrt(hd) if allowed[i, n] else torch.tensor(-math.inf, dtype=x.dtype)
+                for n in range(len(src))])
+            p = torch.softmax(scores, 0)
+            heads.append(sum(p[n] * vals[n][g] for n in range(len(src)) if allowed[i, n]))
+        out.append(attn.o_proj.weight @ torch.cat(heads))
+    return torch.stack(out)
+
+
+def ref_conv(x, delta, base, block_size):
+    """out[i, c] = Σ_t (base[t, c] + δ[i, t, c // G]) · x[i − t, c], taps not crossing a
+    block start. x (b, T, H), delta (b, T, Kc, H/G), base (Kc, H)."""
+    b, T, Hx = x.shape
+    Kc, G = base.shape[0], Hx // delta.shape[-1]
+    out = torch.zeros_like(x)
+    for n in range(b):
+        for i in range(T):
+            for t in range(Kc):
+                if i % block_size < t:
+                    continue
+                for c in range(Hx):
+                    out[n, i, c] += (base[t, c] + delta[n, i, t, c // G]) * x[n, i - t, c]
+    return out
+
+
+def ref_layer(layer, h, ctx, blk_pos, ctx_pos, allowed, block_size):
+    """Pre-norm layer with the convolution around both sublayers (SPEC §2 placement)."""
+    eps = layer.input_layernorm.eps
+
+    def convolved(conv, u, sublayer):
+        delta = (u @ conv.kernel_projection.weight.T).view(u.shape[0], 2, conv.taps, conv.groups)
+        u1 = ref_conv(u[None], delta[None, :, 0], conv.base_kernel[0], block_size)[0]
+        return ref_conv(sublayer(u1)[None], delta[None, :, 1], conv.base_kernel[1], block_size)[0]
+
+    u = torch.stack([ref_rms(r, layer.input_layernorm.weight, eps) for r in h])
+    h = h + convolved(layer.attention_conv, u,
+                      lambda u1: ref_attention(layer.self_attn, u1, ctx, blk_pos, ctx_pos, allowed))
+    u = torch.stack([ref_rms(r, layer.post_attention_layernorm.weight, eps) for r in h])
+    mlp = layer.mlp
+    return h + convolved(layer.mlp_conv, u, lambda u1: (F.silu(u1 @ mlp.gate_proj.weight.T)
+                                                        * (u1 @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T)
+
+
+def ref_edge_score(sel, h, unary, p, c):
+    """S(p, c) = U[c] + Σ_r A[p, r] · P[r] · Bc[c, r] with P = W h, for one slot."""
+    P = (sel.hidden_projection.weight @ h).tolist()
+    A, Bc = sel.predecessor_codebook[p].tolist(), sel.successor_codebook[c].tolist()
+    return unary[c].item() + sum(A[r] * P[r] * Bc[r] for r in range(len(P)))
+
+
+def ref_topk(unary, k):
+    return sorted(range(unary.shape[-1]), key=lambda v: -unary[v].item())[:k]
+
+
+def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True):
+    """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
+    with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
+    keeps the anchor as every slot's predecessor (the wrong walk, a control)."""
+    prev, path = anchor, []
+    for j in range(unary.shape[0]):
+        cand = ref_topk(unary[j], sel.top_k)
+        scores = [ref_edge_score(sel, h[j], unary[j], prev, c) for c in cand]
+        path.append(cand[scores.index(max(scores))])
+        prev = path[-1] if feed_forward else anchor
+    return path
+
+
+def counted_slots(batch, anchors, valid):
+    """(row, block, slot k, position t) of every slot the loss counts: real anchor, t < S
+    and loss_mask[t] = 1."""
+    out = []
+    for n in range(anchors.shape[0]):
+        for j in range(anchors.shape[1]):
+            for k in range(1, B):
+                t = anchors[n, j].item() + k
+                if valid[n, j] and t < S and batch["loss_mask"][n, t]:
+                    out.append((n, j, k, t))
+    return out
+
+
+def leading_run(hits):
+    run = 0
+    for hit in hits:
+        if not hit:
+            break
+        run += 1
+    return run
+
+
+# -----------------------------------------------------------------------------
+# config validation
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("hidden_size", 0, r"hidden_size \(0\) must be >= 1"),
+    ("num_layers", 0, r"num_layers \(0\) must be >= 1"),
+    ("vocab_size", 0, r"vocab_size \(0\) must be >= 1"),
+    ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+    ("head_dim", 7, r"head_dim \(7\) must be even"),
+    ("block_size", 1, r"block_size \(1\) must be >= 2"),
+    ("mask_token_id", V, rf"mask_token_id \({V}\) must be a token"),
+    ("mask_token_id", -1, r"mask_token_id \(-1\) must be a token"),
+    ("target_layer_ids", [], r"target_layer_ids is empty"),
+    ("target_layer_ids", [0, 4], r"target_layer_ids \[4\] outside the target's layers \[0, 4\)"),
+    ("target_layer_ids", [-1, 2], r"target_layer_ids \[-1\] outside"),
+    ("conv_kernel_size", B + 1, rf"conv_kernel_size \({B + 1}\) must be in \[1, block_size={B}\]"),
+    ("conv_kernel_size", -1, r"conv_kernel_size \(-1\) must be in"),
+    ("conv_group_size", 5, r"hidden_size \(32\) must be divisible by conv_group_size \(5\)"),
+    ("conv_group_size", 0, r"hidden_size \(32\) must be divisible by conv_group_size \(0\)"),
+    ("selector_top_k", V + 1, rf"selector_top_k \({V + 1}\) must be in \[1, vocab_size={V}\]"),
+    ("selector_top_k", -1, r"selector_top_k \(-1\) must be in"),
+    ("selector_rank", 0, r"selector_rank \(0\) must be >= 1"),
+])
+def test_config_rejects_bad_values(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        make_config(**{field: value})
+
+
+def test_config_accepts_disabled_parts_with_unused_bad_values():
+    # conv / selector off: their group size and rank are not used and must not be validated
+    c = make_config(conv_kernel_size=0, conv_group_size=5, selector_top_k=0, selector_rank=0)
+    assert not c.is_dflash2, "conv and selector off should be plain DFlash (is_dflash2 False)"
+
+
+def test_from_target_rejects():
+    with pytest.raises(ValueError, match=r"needs mask_token_id"):
+        DFlash2Config.from_target(target_config())
+    with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
+        DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID, blocksize=8)
+    scaled = target_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match=r"rope_type 'linear' is not supported"):
+        DFlash2Config.from_target(scaled, mask_token_id=MASK_ID)
+
+
+def test_from_target_copies_the_target_shape():
+    c = DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID)
+    got = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+           c.num_target_layers, c.rope_theta)
+    assert got == (H, 64, 4, 2, 8, V, 4, 1e4), f"drafter shape {got} differs from the target's"
+
+
+def test_default_target_layer_ids():
+    # SPEC §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
+    got = default_target_layer_ids(36), default_target_layer_ids(36, num_features=1)
+    assert got == ([1, 9, 17, 25, 33], [18]), f"36 layers: {got}, want [1, 9, 17, 25, 33] and [18]"
+    for L in range(1, 40):
+        ids = default_target_layer_ids(L)
+        assert len(set(ids)) == len(ids) and all(0 <= l < L for l in ids), f"L={L}: layer ids {ids}"
+
+
+def test_bad_arguments_of_the_training_functions(target, batch):
+    with pytest.raises(ValueError, match=r"max_anchors \(0\) must be >= 1"):
+        sample_anchors(batch["loss_mask"], 0)
+    with pytest.raises(ValueError, match=r"loss_type \('mse'\) must be 'kl' or 'ce'"):
+        dflash2_loss(make_drafter(), target, **batch, anchors=ANCHORS, anchor_valid=VALID, loss_type="mse")
+
+
+# -----------------------------------------------------------------------------
+# shapes, dtypes, and the drafter against a loop reference
+
+
+def test_shapes_and_dtypes(target, batch):
+    drafter = make_drafter(randomize=True)
+    b, N = ANCHORS.shape
+    ctx = context_features(batch["hidden_states"], LAYER_IDS)
+    assert torch.equal(ctx, torch.cat([batch["hidden_states"][1], batch["hidden_states"][3]], -1)), \
+        "context_features: layer id l must read hidden_states[l + 1]"
+    ids, pos = block_layout(batch["input_ids"], ANCHORS, B, MASK_ID)
+    mask = block_attention_mask(ANCHORS, batch["attention_mask"], B)
+    assert ids.shape == pos.shape == (b, N * B) and ids.dtype == pos.dtype == torch.long, \
+        f"block_layout: ids {tuple(ids.shape)} {ids.dtype}, pos {tuple(pos.shape)} {pos.dtype}, want {(b, N * B)} long"
+    assert mask.shape == (b, 1, N * B, S + N * B) and mask.dtype == torch.bool, \
+        f"block_attention_mask: {tuple(mask.shape)} {mask.dtype}, want {(b, 1, N * B, S + N * B)} bool"
+    h = drafter(*packed_inputs(target, batch))
+    assert h.shape == (b, N * B, H) and h.dtype == torch.float64, f"drafter output {tuple(h.shape)} {h.dtype}"
+
+    unary = target.lm_head(h).view(b * N, B, V)[:, 1:]
+    anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
+    slots_h = h.view(b * N, B, H)[:, 1:]
+    for temperature in (0.0, 0.8):
+        path, cand, q = drafter.propose(slots_h, unary, anchor_ids, temperature)
+        got = (path.shape, path.dtype, cand.shape, q.shape, q.dtype)
+        want = ((b * N, B - 1), torch.long, (b * N, B - 1, 5), (b * N, B - 1, 5), torch.float32)
+        assert got == want, f"T={temperature}: propose gave (path, cand, q) shapes/dtypes {got}, want {want}"
+    scores = drafter.candidate_selector.edge_scores(slots_h, unary, anchor_ids[:, None].expand(-1, B - 1), cand)
+    assert scores.shape == cand.shape and scores.dtype == torch.float32, \
+        f"edge_scores {tuple(scores.shape)} {scores.dtype}, want {tuple(cand.shape)} float32"
+
+    v1 = make_drafter(conv_kernel_size=0, selector_top_k=0)
+    path, cand, q = v1.propose(slots_h, unary, anchor_ids, 0.8)
+    assert path.shape == (b * N, B - 1) and cand.shape == q.shape == (b * N, B - 1, V), \
+        f"v1 propose: path {tuple(path.shape)}, cand {tuple(cand.shape)}, q {tuple(q.shape)}; q must span all of V"
+
+    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)
+    assert loss.dim() == 0 and loss.dtype == torch.float32 and loss.requires_grad, \
+        f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float32 scalar with grad"
+    keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
+            "selector_path_acc", "al_selector", "al_oracle"}
+    assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
+    assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
+        f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
+
+    bf16 = make_drafter(randomize=True).to(torch.bfloat16)
+    embeds, pos, ctx, ctx_pos, mask = packed_inputs(target, batch)
+    hb = bf16(embeds.bfloat16(), pos, ctx.bfloat16(), ctx_pos, mask)
+    assert hb.dtype == torch.bfloat16, f"bf16 drafter returned {hb.dtype}"
+    ub = F.linear(hb.view(b * N, B, H)[:, 1:], target.lm_head.weight.bfloat16())
+    _, _, qb = bf16.propose(hb.view(b * N, B, H)[:, 1:], ub, anchor_ids, 0.8)
+    assert qb.dtype == torch.float32, f"selector q must stay fp32 under a bf16 drafter, got {qb.dtype}"
+
+
+def test_expected_acceptance_length_and_gamma():
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    want = [1 + leading_run(row) for row in correct.tolist()]
+    got = expected_acceptance_length(correct).tolist()
+    assert got == want, f"AL {got} != 1 + leading correct slots {want}"
+    assert [default_gamma(b) for b in (8, 10, 16)] == [4.0, 5.0, 7.0], "published γ for B = 8/10/16"
+
+
+def test_drafter_matches_loop_reference(target, batch):
+    """Attention with context injection (GQA, q/k norms, RoPE at context and block
+    positions, dense mask), the convolution placement around both sublayers and the
+    drafter's own norms, all against python loops."""
+    drafter = make_drafter(randomize=True)
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)  # let a swapped or skipped norm show
+    inputs = [x[:1] for x in packed_inputs(target, batch, ANCHORS[:, :2])]  # row 0, blocks at 0 and 5
+    embeds, pos, feats, _, mask = inputs
+    with torch.no_grad():
+        got = drafter(*inputs)[0]
+        eps = drafter.config.rms_norm_eps
+        ctx = torch.stack([ref_rms(f, drafter.hidden_norm.weight, eps) for f in feats[0] @ drafter.fc.weight.T])
+        h = embeds[0]
+        for layer in drafter.layers:
+            h = ref_layer(layer, h, ctx, pos[0].tolist(), list(range(S)), mask[0, 0], B)
+        want = torch.stack([ref_rms(r, drafter.norm.weight, eps) for r in h])
+    assert max_diff(got, want) < 1e-5, f"drafter forward differs from the loop reference by {max_diff(got, want):.3g}"
+
+
+def test_batch_rows_equal_rows_alone(target, batch):
+    drafter = make_drafter(randomize=True)
+    inputs = packed_inputs(target, batch)
+    with torch.no_grad():
+        together = drafter(*inputs)
+        for n in range(2):
+            alone = drafter(*[x[n:n + 1] for x in inputs])
+            assert max_diff(together[n], alone[0]) < 1e-6, \
+                f"row {n} computed in a batch differs from alone by {max_diff(together[n], alone[0]):.3g}"
+
+
+# -----------------------------------------------------------------------------
+# local convolution (§2)
+
+
+@pytest.mark.parametrize("block, taps, group, T", [(4, 1, 1, 12), (4, 2, 4, 12), (5, 3, 2, 15), (3, 3, 8, 9),
+                                                   (6, 4, 16, 5)])
+def test_local_conv_equals_loop(block, taps, group, T):
+    g = torch.Generator().manual_seed(block * 100 + taps * 10 + group)
+    Hc = 16
+    x = torch.randn(2, T, Hc, generator=g, dtype=torch.float64)
+    delta = torch.randn(2, T, taps, Hc // group, generator=g, dtype=torch.float64)
+    base = torch.randn(taps, Hc, generator=g, dtype=torch.float64)
+    got, want = local_conv(x, delta, base, block), ref_conv(x, delta, base, block)
+    assert max_diff(got, want) < 1e-12, f"local_conv differs from the loop by {max_diff(got, want):.3g}"
+
+
+def test_kernel_projection_layout_is_side_tap_group():
+    """Switch on one output row of kernel_projection at a time: exactly the side, tap and
+    contiguous channel group that row names must move, by δ(i) · x[i − tap, c]."""
+    c = make_config(conv_kernel_size=2, conv_group_size=8)
+    conv = LocalConv(c).double()
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(1, 2 * B, H, generator=g, dtype=torch.float64)
+    y = torch.randn(1, 2 * B, H, generator=g, dtype=torch.float64)
+    groups, taps = H // 8, 2
+    for row in range(2 * taps * groups):
+        side, tap, group = row // (taps * groups), (row // groups) % taps, row % groups
+        with torch.no_grad():
+            conv.base_kernel.zero_()
+            conv.base_kernel[:, 0] = 1.0
+            conv.kernel_projection.weight.zero_()
+            conv.kernel_projection.weight[row] = torch.randn(H, generator=g, dtype=torch.float64)
+            u1, delta_out = conv.prepare(u)
+            y1 = conv.finish(y, delta_out)
+        x = u if side == 0 else y
+        moved = (u1 - u) if side == 0 else (y1 - y)
+        still = (y1 - y) if side == 0 else (u1 - u)
+        want = torch.zeros_like(x)
+        d = u[0] @ conv.kernel_projection.weight[row]
+        for i in range(2 * B):
+            if i % B >= tap:
+                want[0, i, group * 8:(group + 1) * 8] = d[i] * x[0, i - tap, group * 8:(group + 1) * 8]
+        assert max_diff(moved, want) < 1e-12, \
+            f"row {row} (side {side}, tap {tap}, group {group}) moved the output by {max_diff(moved, want):.3g} off"
+        assert not still.any(), f"row {row} (side {side}) also moved the other side"
+
+
+def test_local_conv_identity_init():
+    conv = make_drafter(conv_kernel_size=3).layers[0].attention_conv
+    g = torch.Generator().manual_seed(0)
+    u = torch.randn(2, 3 * B, H, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 3 * B, H, generator=g, dtype=torch.float64)
+    u1, delta_out = conv.prepare(u)
+    assert torch.equal(u1, u), f"identity-init prepare moved its input by {max_diff(u1, u):.3g}"
+    assert torch.equal(conv.finish(y, delta_out), y), "identity-init finish is not the identity"
+
+
+def test_conv_never_reads_the_previous_block():
+    drafter = make_drafter(randomize=True, conv_kernel_size=B)
+    conv = drafter.layers[0].mlp_conv
+    g = torch.Generator().manual_seed(1)
+    u = torch.randn(1, 3 * B, H, generator=g, dtype=torch.float64)
+    y = torch.randn(1, 3 * B, H, generator=g, dtype=torch.float64)
+
+    def both_sides(u, y):
+        u1, delta_out = conv.prepare(u)
+        return u1, conv.finish(y, delta_out)
+
+    with torch.no_grad():
+        base = both_sides(u, y)
+        u2, y2 = u.clone(), y.clone()
+        u2[:, B:2 * B] += torch.randn(B, H, generator=g, dtype=torch.float64)  # all of block 1
+        y2[:, B:2 * B] += torch.randn(B, H, generator=g, dtype=torch.float64)
+        moved = both_sides(u2, y2)
+        for side, (a, b) in enumerate(zip(base, moved)):
+            assert torch.equal(a[:, 2 * B:], b[:, 2 * B:]), \
+                f"side {side}: block 2 moved by {max_diff(a[:, 2 * B:], b[:, 2 * B:]):.3g} when block 1 changed"
+        u3 = u.clone()
+        u3[:, 2 * B] += 1.0                                       # block 2's first token (positive control)
+        later = both_sides(u3, y)[0][:, 2 * B + 1:]
+        assert max_diff(later, base[0][:, 2 * B + 1:]) > 1e-3, "taps inside a block do not read earlier tokens"
+
+
+# -----------------------------------------------------------------------------
+# block mask and anchors (§6)
+
+
+def test_block_layout_equals_loop(batch):
+    ids, pos = block_layout(batch["input_ids"], ANCHORS, B, MASK_ID)
+    for n in range(2):
+        for j in range(ANCHORS.shape[1]):
+            a = ANCHORS[n, j].item()
+            want_ids = [batch["input_ids"][n, a].item()] + [MASK_ID] * (B - 1)
+            got_ids, got_pos = ids[n, j * B:(j + 1) * B].tolist(), pos[n, j * B:(j + 1) * B].tolist()
+            assert (got_ids, got_pos) == (want_ids, list(range(a, a + B))), \
+                f"row {n} block {j}: ids {got_ids} at {got_pos}, want {want_ids} at {a}..{a + B - 1}"
+
+
+def test_block_attention_mask_equals_brute_force():
+    attention_mask = torch.ones(3, 12, dtype=torch.long)
+    attention_mask[1, 9:] = 0          # right padding
+    attention_mask[2, :2] = 0          # left padding
+    anchors = torch.tensor([[0, 4, 10], [2, 6, 0], [3, 5, 11]])
+    got = block_attention_mask(anchors, attention_mask, 3)
+    b, N, Sx, Bx = 3, 3, 12, 3
+    want = torch.zeros(b, 1, N * Bx, Sx + N * Bx, dtype=torch.bool)
+    for n in range(b):
+        for q in range(N * Bx):
+            for k in range(Sx + N * Bx):
+                if k < Sx:
+                    want[n, 0, q, k] = k < anchors[n, q // Bx] and attention_mask[n, k] == 1
+                else:
+                    want[n, 0, q, k] = (k - Sx) // Bx == q // Bx
+    assert torch.equal(got, want), f"{(got != want).sum().item()} mask entries differ from the double loop"
+
+
+def test_sample_anchors():
+    """Eligible: loss_mask[a] = 1 and a + 1 < S (§6), and loss_mask[a + 1] = 1 (the rule in
+    sample_anchors' docstring: a block whose first slot is not trained on is wasted)."""
+    loss_mask = torch.zeros(4, 16, dtype=torch.long)
+    loss_mask[0, 2:] = 1                 # 13 eligible (15 is the last position)
+    loss_mask[1, 4:9] = 1                # 4 eligible, fewer than max_anchors (8 ends the span)
+    loss_mask[2, 15] = 1                 # only the last position: nothing to predict after it
+    loss_mask[3, [1, 5, 6, 11, 15]] = 1  # only 5 is followed by a trained position
+    eligible = [[a for a in range(15) if loss_mask[n, a] and loss_mask[n, a + 1]] for n in range(4)]
+    for seed in range(5):
+        anchors, valid = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(seed))
+        for n in range(4):
+            want_count = min(6, len(eligible[n]))
+            got = anchors[n][valid[n]].tolist()
+            assert valid[n].tolist() == [True] * want_count + [False] * (anchors.shape[1] - want_count), \
+                f"row {n}: valid {valid[n].tolist()} should be the first {want_count} entries"
+            assert set(got) <= set(eligible[n]), f"row {n}: anchors {got} outside eligible {eligible[n]}"
+            assert got == sorted(set(got)), f"row {n}: anchors {got} not distinct and sorted"
+            assert not anchors[n][~valid[n]].any(), f"row {n}: padding anchors {anchors[n].tolist()} not 0"
+            if len(eligible[n]) <= 6:
+                assert got == eligible[n], f"row {n}: {got} should be all eligible positions {eligible[n]}"
+    first = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(7))
+    again = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(7))
+    other = sample_anchors(loss_mask, 6, torch.Generator().manual_seed(8))
+    assert torch.equal(first[0], again[0]), "same generator seed gave different anchors"
+    assert not torch.equal(first[0][0], other[0][0]), "a different seed gave the same 6 of 13 anchors"
+
+
+def test_block_sees_only_its_context_and_itself(target, batch):
+    """Block j of row 0 (anchor a) must not move when the context at or after a, a padding
+    key, or any other block's tokens change, and must move when context before a changes."""
+    drafter = make_drafter(randomize=True)
+    batch = {**batch, "attention_mask": batch["attention_mask"].clone()}
+    batch["attention_mask"][0, 2] = 0  # a hole: key 2 of row 0 is not a real token
+    ctx = context_features(batch["hidden_states"], LAYER_IDS)
+    ids, _ = block_layout(batch["input_ids"], ANCHORS, B, MASK_ID)
+    base = draft_packed(drafter, target, batch)
+    j, a = 2, ANCHORS[0, 2].item()        # block 2 of row 0, anchor 8
+    own = slice(j * B, (j + 1) * B)
+
+    def moved(ctx=None, ids=None):
+        return max_diff(draft_packed(drafter, target, batch, ctx=ctx, ids=ids)[0, own], base[0, own])
+
+    late, hole, early = ctx.clone(), ctx.clone(), ctx.clone()
+    late[0, a:] += torch.randn_like(late[0, a:])
+    hole[0, 2] += 10.0
+    early[0, a - 1] += 1.0
+    others = ids.clone()
+    others[0, :j * B] = (others[0, :j * B] + 1) % V
+    others[0, (j + 1) * B:] = (others[0, (j + 1) * B:] + 1) % V
+    assert moved(ctx=late) == 0, f"context at/after the anchor {a} leaked into its block: {moved(ctx=late):.3g}"
+    assert moved(ctx=hole) == 0, f"a padding key leaked into the block: {moved(ctx=hole):.3g}"
+    assert moved(ids=others) == 0, f"other blocks' tokens leaked into block {j}: {moved(ids=others):.3g}"
+    assert moved(ctx=early) > 1e-4, f"context just before the anchor changed the block by only {moved(ctx=early):.3g}"
+    inside = ids.clone()
+    inside[0, j * B + B - 1] = 7                                    # positive control: own last slot
+    assert max_diff(draft_packed(drafter, target, batch, ids=inside)[0, j * B], base[0, j * B]) > 1e-4, \
+        "the block's first slot did not see its own last slot (attention should be bidirectional)"
+
+
+def test_training_layout_equals_inference_path(target, batch):
+    """Logits of each block inside the packed, masked layout of dflash2_loss equal the
+    same block drafted alone from context 0..a-1 through the cache path spec_generate uses."""
+    drafter = make_drafter(randomize=True)
+    _, _, h, _ = loss_and_logits(drafter, target, batch)
+    ctx = context_features(batch["hidden_states"], LAYER_IDS)
+    ids, _ = block_layout(batch["input_ids"], ANCHORS, B, MASK_ID)
+    b, N = ANCHORS.shape
+    packed = target.lm_head(h)
+    for n in range(b):
+        for j in range(N):
+            if not VALID[n, j]:
+                continue
+            a = ANCHORS[n, j].item()
+            block = ids[n:n + 1, j * B:(j + 1) * B]
+            with torch.no_grad():
+                alone = drafter(target.model.embed_tokens(block), torch.arange(a, a + B)[None], ctx[n:n + 1, :a],
+                                torch.arange(a)[None], mask=None, cache=DraftCache(drafter.config.num_layers))
+            diff = max_diff(packed[n, j], target.lm_head(alone[0]))
+            assert diff < 1e-6, f"row {n} anchor {a}: packed-layout logits differ from inference by {diff:.3g}"
+
+
+# -----------------------------------------------------------------------------
+# DFlash2 at init is DFlash
+
+
+def test_fresh_dflash2_equals_dflash(target, batch):
+    v1 = make_drafter(seed=1, conv_kernel_size=0, selector_top_k=0)
+    v2 = make_drafter(seed=2, conv_kernel_size=3)
+    missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
+    assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing), \
+        f"v1 -> v2 load: missing {missing}, unexpected {unexpected}"
+    h1, h2 = draft_packed(v1, target, batch), draft_packed(v2, target, batch)
+    assert torch.equal(h1, h2), f"hidden states differ by {max_diff(h1, h2):.3g}"
+    M = ANCHORS.numel()
+    u1, u2 = target.lm_head(h1).view(M, B, V)[:, 1:], target.lm_head(h2).view(M, B, V)[:, 1:]
+    assert torch.equal(u1, u2), f"unary logits differ by {max_diff(u1, u2):.3g}"
+    anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
+    p1 = v1.propose(h1.view(M, B, H)[:, 1:], u1, anchor_ids)[0]
+    p2, cand, _ = v2.propose(h2.view(M, B, H)[:, 1:], u2, anchor_ids)
+    assert torch.equal(p1, p2), f"greedy proposals differ in {(p1 != p2).sum().item()} of {p1.numel()} slots"
+    prev = torch.cat([anchor_ids[:, None], p2[:, :-1]], 1)
+    scores = v2.candidate_selector.edge_scores(h2.view(M, B, H)[:, 1:], u2, prev, cand)
+    unary = u2.float().gather(-1, cand)
+    assert torch.equal(scores, unary), \
+        f"fresh selector scores differ from the unary logits by {max_diff(scores, unary):.3g}"
+
+
+# -----------------------------------------------------------------------------
+# candidate selector (§3)
+
+
+def selector_inputs(seed=0, M=6):
+    drafter = make_drafter(randomize=True)
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(M, B - 1, H, generator=g, dtype=torch.float64)
+    unary = torch.randn(M, B - 1, V, generator=g, dtype=torch.float64)
+    anchor = torch.randint(0, V, (M,), generator=g)
+    return drafter.candidate_selector, h, unary, anchor
+
+
+def test_edge_scores_equal_loop():
+    sel, h, unary, anchor = selector_inputs()
+    g = torch.Generator().manual_seed(1)
+    prev = torch.randint(0, V, (6, B - 1), generator=g)
+    cand = torch.randint(0, V, (6, B - 1, 5), generator=g)
+    with torch.no_grad():
+        got = sel.edge_scores(h, unary, prev, cand)
+    for m in range(6):
+        for j in range(B - 1):
+            for k in range(5):
+                want = ref_edge_score(sel, h[m, j], unary[m, j], prev[m, j].item(), cand[m, j, k].item())
+                assert abs(got[m, j, k].item() - want) < 1e-5 * (1 + abs(want)), \
+                    f"S at ({m}, {j}, {k}) is {got[m, j, k].item()}, loop gives {want}"
+
+
+def test_greedy_walk_feeds_its_choice_forward():
+    sel, h, unary, anchor = selector_inputs()
+    with torch.no_grad():
+        path, cand, q = sel.walk(h, unary, anchor)
+    for m in range(6):
+        want = ref_greedy_walk(sel, h[m], unary[m], anchor[m].item())
+        assert path[m].tolist() == want, f"row {m}: walk {path[m].tolist()} != loop {want}"
+        for j in range(B - 1):
+            top = ref_topk(unary[m, j], 5)
+            assert cand[m, j].tolist() == top, f"row {m} slot {j}: candidates {cand[m, j].tolist()} != top-5 {top}"
+            assert path[m, j].item() in top, f"row {m} slot {j}: {path[m, j].item()} outside the top-5"
+            assert q[m, j].tolist() == [float(c == path[m, j].item()) for c in top], f"T=0 q not one-hot: {q[m, j]}"
+    stale = sum(ref_greedy_walk(sel, h[m], unary[m], anchor[m].item(), feed_forward=False) != path[m].tolist()
+                for m in range(6))
+    assert stale > 0, "no row's walk depends on the fed-forward predecessor: the check has no teeth"
+
+
+def test_sampled_walk_q_is_conditional_on_the_sampled_predecessor():
+    sel, h, unary, anchor = selector_inputs(M=16)
+    T = 1.5
+    with torch.no_grad():
+        path, cand, q = sel.walk(h, unary, anchor, T, torch.Generator().manual_seed(0))
+        again = sel.walk(h, unary, anchor, T, torch.Generator().manual_seed(0))
+    assert torch.equal(path, again[0]) and torch.equal(q, again[2]), "same seed gave a different sampled walk"
+    sums = q.sum(-1)
+    assert max_diff(sums, torch.ones_like(sums)) < 1e-5, f"q rows sum to {sums.min():.6f}..{sums.max():.6f}"
+    greedy = sel.walk(h, unary, anchor)[0]
+    assert not torch.equal(path, greedy), "sampling at T=1.5 reproduced the greedy walk: no test of q"
+    for m in range(16):
+        prev = anchor[m].item()
+        for j in range(B - 1):
+            scores = torch.tensor([ref_edge_score(sel, h[m, j], unary[m, j], prev, c) for c in cand[m, j].tolist()])
+            want = torch.softmax(scores / T, 0)
+            assert max_diff(q[m, j].double(), want) < 1e-5, \
+                f"row {m} slot {j}: q differs from softmax(S(prev, C)/T) by {max_diff(q[m, j].double(), want):.3g}"
+            assert path[m, j].item() in cand[m, j].tolist(), f"row {m} slot {j}: sample outside the candidates"
+            prev = path[m, j].item()
+
+
+# -----------------------------------------------------------------------------
+# loss and metrics (§6)
+
+
+def test_unary_and_selector_loss_equal_loops(target, batch):
+    """Position weights exp(-(k-1)/γ) normalised by Σw over counted slots; the test
+    anchors include slots past the end, outside loss_mask and of padding anchors. The
+    selector loss skips labels outside the top-K and uses the data token at t-1."""
+    drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
+    sel, gamma, alpha = drafter.candidate_selector, 2.5, 0.7
+    for loss_type in ("kl", "ce"):
+        loss, stats, h, unary = loss_and_logits(drafter, target, batch, loss_type=loss_type, gamma=gamma, alpha=alpha)
+        num = den = sel_num = sel_den = 0.0
+        for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
+            w = math.exp(-(k - 1) / gamma)
+            ref = batch["target_logits"][n, t - 1]
+            logp, logq = F.log_softmax(ref, -1), F.log_softmax(unary[n, j, k - 1], -1)
+            label = ref.argmax().item()
+            term = (logp.exp() * (logp - logq)).sum().item() if loss_type == "kl" else -logq[label].item()
+            num, den = num + w * term, den + w
+            cand = ref_topk(unary[n, j, k - 1], WIDE_K)
+            if label in cand:
+                prev = batch["input_ids"][n, t - 1].item()
+                scores = torch.tensor([ref_edge_score(sel, h[n, j, k], unary[n, j, k - 1], prev, c) for c in cand])
+                sel_num += w * -F.log_softmax(scores, 0)[cand.index(label)].item()
+                sel_den += w
+        unary_ref, sel_ref = num / den, sel_num / sel_den
+        assert abs(stats["unary_loss"] - unary_ref) < 1e-5 * (1 + unary_ref), \
+            f"{loss_type}: unary_loss {stats['unary_loss']} != loop {unary_ref}"
+        assert 0 < sel_den < den, f"need slots both in and out of the top-K (weights {sel_den} of {den})"
+        assert abs(stats["selector_loss"] - sel_ref) < 1e-5 * (1 + sel_ref), \
+            f"{loss_type}: selector_loss {stats['selector_loss']} != loop {sel_ref}"
+        total = unary_ref + alpha * sel_ref
+        assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{loss_type}: loss {loss.item()} != loop {total}"
+
+
+def echo_forward(G, shift=0, noise=None):
+    """A stand-in drafter forward whose output at block position t is G[t - 1 + shift]
+    (+ noise): with target logits lm_head(G), shift 0 reproduces exactly the distribution
+    slot k of anchor a must learn, the target's at a + k - 1."""
+    def forward(embeds, pos, ctx, ctx_pos, mask=None, cache=None):
+        h = G.gather(1, (pos - 1 + shift).clamp(0, S - 1)[..., None].expand(-1, -1, H))
+        return h if noise is None else h + noise
+    return forward
+
+
+def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monkeypatch):
+    drafter = make_drafter()
+    G = 10 * torch.randn(2, S, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    batch = {**batch, "target_logits": target.lm_head(G)}
+    kl = {}
+    for shift in (-1, 0, 1):
+        monkeypatch.setattr(drafter, "forward", echo_forward(G, shift))
+        _, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)
+        kl[shift] = stats["unary_loss"]
+        if shift == 0:
+            assert stats["slot_acc"] == [1.0] * (B - 1), f"aligned drafter has slot accuracy {stats['slot_acc']}"
+    assert kl[0] < 1e-6, f"KL is {kl[0]:.3g} for a drafter that outputs the target logits at a+k-1"
+    assert min(kl[-1], kl[1]) > 0.05, f"KL for a drafter off by one position is only {kl}"
+
+
+def test_metrics_equal_loops(target, batch, monkeypatch):
+    """§6 metrics against loops over the counted slots, on a stand-in drafter that is right
+    about half the time, so that no metric is trivially 0 or 1. The anchors include blocks
+    whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end."""
+    drafter = make_drafter()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_(0, 0.5, generator=g)
+        drafter.candidate_selector.predecessor_codebook.normal_(0, 0.1, generator=g)
+        drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.1, generator=g)
+    anchors = torch.tensor([[2, 3, 5, 6, 8, 10, 12, 14, 15, 17, 18], [3, 4, 5, 7, 8, 9, 10, 12, 0, 0, 0]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, 8:] = False
+    N = anchors.shape[1]
+    G = 10 * torch.randn(2, S, H, generator=g, dtype=torch.float64)
+    noise = 6 * torch.randn(2, N * B, H, generator=g, dtype=torch.float64)  # a drafter that is sometimes right
+    forward = echo_forward(G, noise=noise)
+    monkeypatch.setattr(drafter, "forward", forward)
+    ids, pos = block_layout(batch["input_ids"], anchors, B, MASK_ID)
+    h = forward(None, pos, None, None).view(2, N, B, H)
+    unary = target.lm_head(h[:, :, 1:])
+    batch = {**batch, "target_logits": target.lm_head(G)}
+    stats = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)[1]
+
+    sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
+    hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
+    walks = {}
+    for n, j, k, t in slots:
+        label = batch["target_logits"][n, t - 1].argmax().item()
+        u = unary[n, j, k - 1]
+        cand = ref_topk(u, 5)
+        scores = [ref_edge_score(sel, h[n, j, k], u, batch["input_ids"][n, t - 1].item(), c) for c in cand]
+        if (n, j) not in walks:
+            walks[n, j] = ref_greedy_walk(sel, h[n, j, 1:], unary[n, j], ids[n, j * B].item())
+        hits["unary"][n, j, k] = u.argmax().item() == label
+        hits["oracle"][n, j, k] = label in cand
+        hits["tf"][n, j, k] = cand[scores.index(max(scores))] == label
+        hits["walk"][n, j, k] = walks[n, j][k - 1] == label
+
+    def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
+        blocks = [(n, j) for n, j, k, t in slots if k == 1]
+        return sum(1 + leading_run(hit.get((n, j, k), False) for k in range(1, B)) for n, j in blocks) / len(blocks)
+
+    def per_slot(hit, among):
+        return [sum(hit[s] for s in among if s[2] == k) / max(1, sum(s[2] == k for s in among)) for k in range(1, B)]
+
+    keys = [s[:3] for s in slots]
+    reached = [s for s in keys if all(hits["walk"].get((s[0], s[1], k), False) for k in range(1, s[2]))]
+    want = {"slot_acc": per_slot(hits["unary"], keys), "al_unary": mean_al(hits["unary"]),
+            "recall_at_k": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
+            "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_selector": mean_al(hits["walk"]),
+            "selector_path_acc": per_slot(hits["walk"], reached)}
+    for name, value in want.items():
+        got = stats[name]
+        assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
+                              atol=1e-6), f"{name}: {got} != loop {value}"
+    assert all(0 < x < 1 for x in stats["slot_acc"] + stats["selector_path_acc"][:2]) \
+        and stats["al_unary"] not in (stats["al_selector"], stats["al_oracle"]), \
+        f"metrics too degenerate to tell a wrong one from a right one: {stats}"
+
+
+def drafter_grads(target, batch, randomize=True, **kw):
+    """Gradients of the loss; top-K = V puts every label among the candidates."""
+    drafter = make_drafter(randomize=randomize, selector_top_k=V)
+    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, **kw)
+    assert stats["selector_loss"] > 0, "no label in the top-K: the selector loss has no gradient to test"
+    loss.backward()
+    return {name: p.grad for name, p in drafter.named_parameters()}
+
+
+def test_gradients_reach_backbone_convolution_and_selector(target, batch):
+    grads = drafter_grads(target, batch)
+    dead = [name for name, g in grads.items() if g is None or not g.any()]
+    assert not dead, f"no gradient reaches {dead}"
+    # at init the successor codebook is 0, so only it gets a selector gradient on step 1
+    # (A and P enter every score multiplied by it); the convolution learns from step 1
+    grads = drafter_grads(target, batch, randomize=False)
+    dead = sorted(name for name, g in grads.items() if g is None or not g.any())
+    want = ["candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook"]
+    assert dead == want, f"parameters without gradient at init: {dead}, expected exactly {want}"
+
+
+def test_detach_selector_keeps_the_selector_loss_out_of_the_backbone(target, batch):
+    unary_only = drafter_grads(target, batch, alpha=0.0)
+    detached = drafter_grads(target, batch, detach_selector=True)
+    coupled = drafter_grads(target, batch)
+    backbone = [name for name in unary_only if not name.startswith("candidate_selector.")]
+    for name in backbone:
+        assert max_diff(detached[name], unary_only[name]) < 1e-12, \
+            f"{name}: detached selector loss still moves the backbone gradient by " \
+            f"{max_diff(detached[name], unary_only[name]):.3g}"
+    coupling = max(max_diff(coupled[name], unary_only[name]) for name in backbone)
+    assert coupling > 1e-6, f"without detach the selector loss moves the backbone gradient by only {coupling:.3g}"
+    dead = [name for name, g in detached.items() if name.startswith("candidate_selector.") and not g.any()]
+    assert not dead, f"detach_selector also cut the selector's own gradient: {dead}"
+
+
+def test_overfits_a_fixed_batch():
+    target = make_target(lm_head_scale=10.0)  # peaked target logits: room for the KL to fall
+    batch = make_batch(target)
+    anchors, valid = sample_anchors(batch["loss_mask"], 8, torch.Generator().manual_seed(0))
+    drafter = make_drafter()
+    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    losses = []
+    for _ in range(100):
+        loss, _ = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.3 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f} in 100 steps (want < 30%)"

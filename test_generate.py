@@ -1,0 +1,807 @@
+"""Tests of dflash2's speculative decoding (§3-§5) and checkpoint I/O (§7).
+
+Every check runs against an independent reference: a naive greedy loop without a cache,
+exact enumeration of one draft-verify cycle's law, the target's exact joint over all
+short continuations (chi-square), fresh prefills for the cache rollback, and the
+checkpoint contract written out from SPEC §7. Tiny random float64 targets from
+transformers.Qwen3Config, nothing downloaded.
+"""
+import itertools
+import json
+import math
+import os
+import pickle
+import shutil
+
+import numpy as np
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import transformers
+from scipy.stats import chisquare
+
+from dflash2 import (DFlash2Config, DFlash2Drafter, DraftCache, acceptance_probability, context_features,
+                     residual_distribution, spec_generate, target_generate, target_probs, verify_sampled)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models are all per-op overhead; on a busy 2-core machine a second intra-op
+    thread makes each op wait for a core (measured: 18 ms instead of 30 us per matmul)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def tiny_target(vocab_size, num_layers, hidden_size, seed, lm_head_scale=1.0):
+    torch.manual_seed(seed)
+    config = transformers.Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 8, num_key_value_heads=max(1, hidden_size // 16),
+        head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
+    target = transformers.Qwen3ForCausalLM(config).double().eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(lm_head_scale)
+    return target
+
+
+def tiny_drafter(target, seed, dtype=torch.float64, **overrides):
+    """A random drafter whose DFlash2 parts are not at their identity init: the selector's
+    successor codebook is random (so q depends on the predecessor) and the convolution has
+    nonzero off-centre taps and dynamic kernels."""
+    torch.manual_seed(seed)
+    shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
+    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith("candidate_selector."):
+                p.normal_(0, 1.5)
+            elif "_conv." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return drafter.to(dtype).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_target(vocab_size=32, num_layers=2, hidden_size=32, seed=0)
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    return tiny_drafter(target, seed=1, block_size=5, target_layer_ids=[0, 1], selector_top_k=6)
+
+
+@torch.no_grad()
+def naive_greedy(target, prompt, n):
+    """prompt + n tokens, each the argmax of target(whole sequence so far): no cache."""
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids
+
+
+PROMPTS = [(3,), (5, 9, 1, 7), (11, 30, 2, 2, 8, 19)]
+MAX_NEW = 20
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(target):
+    """prompt -> prompt + greedy continuation, long enough for a full block past MAX_NEW."""
+    return {p: naive_greedy(target, p, MAX_NEW + 8) for p in PROMPTS}
+
+
+def record_forward(monkeypatch, module):
+    """Wrap module.forward; returns the list of (args, kwargs, output) of its calls."""
+    calls, forward = [], module.forward
+
+    def recorded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(module, "forward", recorded)
+    return calls
+
+
+def force_drafts(monkeypatch, drafter, reference, n_right):
+    """Make spec_generate's drafter propose reference's tokens (the whole greedy sequence,
+    prompt included) for the first n_right[c % len(n_right)] slots of cycle c and wrong
+    tokens after that. The anchor's absolute position is read off the block positions the
+    drafter was called with. Returns the drafter's recorded forward calls."""
+    calls, propose = record_forward(monkeypatch, drafter), drafter.propose
+    B, V = drafter.config.block_size, drafter.config.vocab_size
+
+    def forced(h, unary, anchor, temperature=0.0, generator=None):
+        path, cand, q = propose(h, unary, anchor, temperature, generator)
+        a, j = int(calls[-1][0][1][0, 0]), n_right[(len(calls) - 1) % len(n_right)]
+        assert int(anchor) == reference[a], f"anchor {int(anchor)} at position {a}, the greedy sequence has {reference[a]}"
+        right = torch.tensor(reference[a + 1:a + B])
+        return torch.cat([right[:j], (right[j:] + 1) % V])[None], cand, q
+
+    monkeypatch.setattr(drafter, "propose", forced)
+    return calls
+
+
+def expected_acceptance_lengths(n_right, block_size, max_new_tokens):
+    """Tokens committed per cycle when cycle c's first n_right[c] drafts are right and the
+    draft is cut so the bonus never passes max_new_tokens."""
+    lengths, emitted = [], 1                     # the first token comes from the prefill
+    while emitted < max_new_tokens:
+        n = min(block_size - 1, max_new_tokens - emitted - 1)
+        lengths.append(min(n_right[len(lengths) % len(n_right)], n) + 1)
+        emitted += lengths[-1]
+    return lengths
+
+
+# -----------------------------------------------------------------------------
+# greedy: output equals the target's own greedy decoding, token for token
+
+
+def assert_greedy_run(out, stats, expected, what):
+    assert out.tolist() == expected, f"{what}: {out.tolist()} != greedy {expected}"
+    assert 1 + sum(stats.acceptance_lengths) == len(out) == stats.new_tokens, (
+        f"{what}: 1 + Σ acceptance lengths {stats.acceptance_lengths} = {1 + sum(stats.acceptance_lengths)}, "
+        f"{len(out)} tokens returned, stats.new_tokens = {stats.new_tokens}")
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 9, MAX_NEW])
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_random_drafter_equals_target(target, drafter, greedy_reference, prompt, max_new_tokens):
+    expected = greedy_reference[prompt][len(prompt):len(prompt) + max_new_tokens]
+    ids = torch.tensor([prompt])
+    out, _ = target_generate(target, ids, max_new_tokens)
+    assert out.tolist() == expected, f"target_generate {out.tolist()} != naive greedy {expected}"
+    out, stats = spec_generate(drafter, target, ids, max_new_tokens)
+    assert_greedy_run(out, stats, expected, f"spec_generate, prompt {prompt}")
+
+
+@pytest.mark.parametrize("max_new_tokens", [13, 11, 3])  # 1 + 3 full blocks; ends 2 tokens into a block; n < B-1 at once
+@pytest.mark.parametrize("n_right", [0, 1, 2, 3, 4])     # B = 5: 4 = every draft right
+@pytest.mark.parametrize("prompt", PROMPTS[1:])
+def test_greedy_forced_drafts_accept_exactly_the_right_prefix(monkeypatch, target, drafter, greedy_reference,
+                                                              prompt, n_right, max_new_tokens):
+    reference = greedy_reference[prompt]
+    force_drafts(monkeypatch, drafter, reference, [n_right])
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens)
+    assert_greedy_run(out, stats, reference[len(prompt):len(prompt) + max_new_tokens], f"{n_right} right drafts")
+    want = expected_acceptance_lengths([n_right], drafter.config.block_size, max_new_tokens)
+    assert stats.acceptance_lengths == want, f"{n_right} right drafts: acceptance lengths {stats.acceptance_lengths} != {want}"
+    per_slot = [sum(al - 1 > k for al in want) for k in range(drafter.config.block_size - 1)]
+    assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+
+
+@pytest.mark.parametrize("stop_index", [0, 2, 6])
+@pytest.mark.parametrize("forced", [False, True], ids=["random-drafts", "right-drafts"])
+def test_greedy_stop_token_is_the_last_token(monkeypatch, target, drafter, greedy_reference, forced, stop_index):
+    prompt = PROMPTS[1]
+    continuation = greedy_reference[prompt][len(prompt):]
+    # the first token at or after stop_index that did not occur before it
+    k = next(i for i in range(stop_index, MAX_NEW) if continuation[i] not in continuation[:i])
+    if forced:  # B = 5 and every draft right: token k sits inside an accepted block unless k % 4 == 0
+        force_drafts(monkeypatch, drafter, greedy_reference[prompt], [4])
+    expected = continuation[:k + 1]
+    for name, run in (("target_generate", lambda **kw: target_generate(target, **kw)),
+                      ("spec_generate", lambda **kw: spec_generate(drafter, target, **kw))):
+        out, _ = run(input_ids=torch.tensor([prompt]), max_new_tokens=MAX_NEW, stop_token_ids=[continuation[k]])
+        assert out.tolist() == expected, f"{name} with stop token {continuation[k]}: {out.tolist()} != {expected}"
+
+
+# -----------------------------------------------------------------------------
+# the verifier's law, exactly: one cycle enumerated on a 5-token vocabulary
+
+
+V5, N_DRAFT, ANCHOR = 5, 3, 2
+
+
+def verifier_case(name):
+    """-> (p, q, cands): p(prefix) the target's law of the next token after the cycle's
+    emitted prefix; q(j, prev) the walk's law at slot j given the predecessor it picked,
+    scattered to the vocabulary; cands[j] the candidate ids of slot j."""
+    g = torch.Generator().manual_seed(7)
+    table = torch.randn((V5 + 1,) * N_DRAFT + (V5,), generator=g, dtype=torch.float64) * 1.5  # index V5 = no token
+    q_logits = torch.randn(N_DRAFT, V5, V5, generator=g, dtype=torch.float64)
+    cands = [[0, 1, 3], [1, 2, 4], [0, 2, 3]]
+    key = lambda prefix: tuple(prefix) + (V5,) * (N_DRAFT - len(prefix))
+    p = lambda prefix: torch.softmax(table[key(prefix)], -1)
+    if name == "q=p":  # a Markov target and q equal to it over the whole vocabulary
+        cands = [list(range(V5))] * N_DRAFT
+        p = lambda prefix: torch.softmax(table[key(prefix[-1:] or [ANCHOR])], -1)
+        return p, lambda j, prev: p([prev]), cands
+    if name == "disjoint supports":  # p lives on {3, 4}, the candidates on {0, 1, 2}
+        cands = [[0, 1, 2]] * N_DRAFT
+        p = lambda prefix: torch.softmax(table[key(prefix)].masked_fill(torch.arange(V5) < 3, -math.inf), -1)
+    if name == "one-hot p":  # sometimes among the candidates, sometimes not
+        p = lambda prefix: torch.nn.functional.one_hot(table[key(prefix)].argmax(), V5).double()
+
+    def q(j, prev):
+        out = torch.zeros(V5, dtype=torch.float64)
+        out[cands[j]] = torch.softmax(q_logits[j, prev, cands[j]], -1)
+        return out
+    return p, q, cands
+
+
+def cycle_law(p, q_walk, q_verify, cands):
+    """Exact law of the tokens one cycle emits: every walk path (drawn from q_walk,
+    conditional on the drafted predecessor) and every accept/reject branch of verification
+    with q_verify, through dflash2's acceptance_probability and residual_distribution; the
+    bonus after a full accept comes from p. -> {emitted tuple: probability}."""
+    law = {}
+    for path in itertools.product(*cands):
+        prevs = (ANCHOR,) + path[:-1]
+        reach = math.prod(float(q_walk(j, prevs[j])[d]) for j, d in enumerate(path))
+        for i, d in enumerate(path):
+            if reach == 0:
+                break
+            p_i, q_i = p(path[:i]), q_verify(i, prevs[i])
+            accept = float(acceptance_probability(p_i, q_i, d))
+            for b, r in enumerate(residual_distribution(p_i, q_i).tolist()):
+                law[path[:i] + (b,)] = law.get(path[:i] + (b,), 0.0) + reach * (1 - accept) * r
+            reach *= accept
+        for b, r in enumerate(p(path).tolist()):
+            law[path + (b,)] = law.get(path + (b,), 0.0) + reach * r
+    return law
+
+
+def first_tokens_law(law, p, m):
+    """Law of the first m tokens when the cycle's output is continued by sampling the target."""
+    joint = torch.zeros((V5,) * m, dtype=torch.float64)
+    for emitted, prob in law.items():
+        for tail in itertools.product(range(V5), repeat=m - len(emitted)):
+            seq = emitted + tail
+            joint[seq] += prob * math.prod(float(p(seq[:t])[seq[t]]) for t in range(len(emitted), m))
+    return joint
+
+
+def target_joint(p, m):
+    joint = torch.zeros((V5,) * m, dtype=torch.float64)
+    for seq in itertools.product(range(V5), repeat=m):
+        joint[seq] = math.prod(float(p(seq[:t])[seq[t]]) for t in range(m))
+    return joint
+
+
+@pytest.mark.parametrize("case", ["conditional q, partial candidates", "q=p", "disjoint supports", "one-hot p"])
+def test_verifier_law_is_the_target_joint(case):
+    p, q, cands = verifier_case(case)
+    law = cycle_law(p, q, q, cands)
+    assert abs(sum(law.values()) - 1) < 1e-12, f"{case}: the cycle's outcomes sum to {sum(law.values())}"
+    emitted, exact = first_tokens_law(law, p, N_DRAFT + 1), target_joint(p, N_DRAFT + 1)
+    err = (emitted - exact).abs().max().item()
+    assert err < 1e-12, f"{case}: emitted joint of the first {N_DRAFT + 1} tokens differs from the target's by {err:.3g}"
+
+
+def test_verifier_law_needs_the_conditional_q():
+    """Power of the test above: verifying with q(·|anchor) at every slot, while the walk drew
+    each draft conditional on its drafted predecessor, changes the emitted law."""
+    p, q, cands = verifier_case("conditional q, partial candidates")
+    law = cycle_law(p, q, lambda j, prev: q(j, ANCHOR), cands)
+    err = (first_tokens_law(law, p, N_DRAFT + 1) - target_joint(p, N_DRAFT + 1)).abs().max().item()
+    assert err > 1e-3, f"a predecessor-blind q moved the emitted joint by only {err:.3g}: the exact-law test has no power"
+
+
+def chi_square_pvalue(counts, probs, what):
+    """Pearson chi-square of counts against probs, both indexed by outcome tuples
+    (..., last coordinate). Cells expecting fewer than 5 samples are pooled per prefix
+    (the last coordinate summed out), repeatedly; what is left at the top is one bin."""
+    n = counts.sum()
+    impossible = counts[probs <= 0].sum()
+    assert impossible == 0, f"{what}: {impossible} samples fell on outcomes of probability 0"
+    obs, exp, c, e = [], [], counts.astype(float), probs * n
+    while c.ndim:
+        big = e >= 5
+        obs, exp = obs + c[big].tolist(), exp + e[big].tolist()
+        c, e = np.where(big, 0, c).sum(-1), np.where(big, 0, e).sum(-1)
+    if e > 0:
+        obs, exp = obs + [c], exp + [e]
+    assert len(obs) >= 2, f"{what}: {n} samples fill fewer than 2 bins"
+    return chisquare(obs, np.array(exp) * n / sum(exp)).pvalue
+
+
+def test_verify_sampled_matches_enumerated_branches():
+    """verify_sampled itself, seeded, against the branch probabilities written out:
+    P(n_acc = k, bonus = b) = Π_{i<k} a_i · (1 - a_k) · r_k(b), or Π_i a_i · p_n(b) after a full accept,
+    a_i = min(1, p_i/q_i), r_k = normalize(max(0, p_k - q_k))."""
+    p_rows = torch.softmax(torch.randn(N_DRAFT + 1, V5, generator=torch.Generator().manual_seed(3), dtype=torch.float64), -1)
+    draft, cands = (1, 2, 0), [[0, 1, 3], [1, 2, 4], [0, 2, 3]]
+    q_rows = torch.zeros(N_DRAFT, V5, dtype=torch.float64)
+    for i, d in enumerate(draft):  # q puts p/0.6 on the draft and splits the rest over the other candidates
+        q_rows[i, d] = p_rows[i, d] / 0.6
+        q_rows[i, [c for c in cands[i] if c != d]] = (1 - q_rows[i, d]) / 2
+    a = [min(1.0, float(p_rows[i, d] / q_rows[i, d])) for i, d in enumerate(draft)]
+    branch = np.zeros((N_DRAFT + 1, V5))
+    for k in range(N_DRAFT):
+        r = (p_rows[k] - q_rows[k]).clamp(min=0)
+        branch[k] = math.prod(a[:k]) * (1 - a[k]) * (r / r.sum()).numpy()
+    branch[N_DRAFT] = math.prod(a) * p_rows[N_DRAFT].numpy()
+    assert branch[:N_DRAFT].sum(1).min() > 0.05, f"every rejection branch should be likely enough to test: {branch.sum(1)}"
+    g, counts = torch.Generator().manual_seed(0), np.zeros_like(branch)
+    for _ in range(6000):
+        n_acc, bonus = verify_sampled(torch.tensor(draft), q_rows, p_rows, g)
+        counts[n_acc, bonus] += 1
+    pvalue = chi_square_pvalue(counts, branch, "verify_sampled")
+    assert pvalue > 1e-6, f"verify_sampled's (n_accepted, bonus) counts depart from the enumerated law: p = {pvalue:.3g}"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.6])
+@pytest.mark.parametrize("selector", [True, False], ids=["selector", "no-selector"])
+def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temperature):
+    """propose draws slot j from q_j(·|prev) = softmax(S[j](prev, c)/T) over the top-K
+    candidates c, prev being the token it drew at slot j-1 (the anchor at slot 1), and
+    returns that q; without the selector, softmax(U[j]/T) over the vocabulary. At T = 0 it
+    walks the argmax. Reference: S[j](p, c) = U[j, c] + Σ_r A[p, r] P[j, r] Bc[c, r] with
+    explicit sums; 20000 walks in one batch, chi-square over the drafted paths."""
+    if not selector:
+        drafter = tiny_drafter(target, seed=1, block_size=5, target_layer_ids=[0, 1], selector_top_k=0)
+    M, n, V, anchor = 20000, drafter.config.block_size - 1, target.config.vocab_size, 7
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, n, target.config.hidden_size, generator=g, dtype=torch.float64)
+    with torch.no_grad():
+        unary = target.get_output_embeddings()(h).float()
+        path, cand, q = drafter.propose(h.expand(M, -1, -1), unary.expand(M, -1, -1), torch.full((M,), anchor), temperature, g)
+    U = unary[0].double()
+    if selector:
+        sel = drafter.candidate_selector
+        A, Bc, W = (t.detach().double() for t in (sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight))
+        P = h[0] @ W.T                                                   # (n, R)
+        cands = [sorted(range(V), key=lambda c: -U[j, c])[:drafter.config.selector_top_k] for j in range(n)]
+        scores = [[[float(U[j, c]) + sum(float(A[p, r] * P[j, r] * Bc[c, r]) for r in range(P.shape[1])) for c in cands[j]]
+                   for p in range(V)] for j in range(n)]
+        S = torch.tensor(scores, dtype=torch.float64)                    # (n, V predecessors, K)
+    else:
+        cands, S = [list(range(V))] * n, U[:, None, :].expand(n, V, V)  # no predecessor dependence
+    assert (cand == torch.tensor(cands)).all(), f"candidates {cand[0].tolist()} != top-K {cands}"
+    prev = torch.cat([torch.full((M, 1), anchor), path[:, :-1]], 1)
+    if temperature == 0:
+        want, p = [], anchor
+        for j in range(n):
+            p = cands[j][int(S[j, p].argmax())]
+            want.append(p)
+        assert (path == torch.tensor(want)).all(), f"greedy walk {path[0].tolist()} != {want}"
+        assert (q[0].argmax(-1) == S[torch.arange(n), prev[0]].argmax(-1)).all() and (q.sum(-1) == 1).all(), "q is not one-hot on the pick"
+        return
+    table = torch.softmax(S / temperature, -1)                           # q_j(·|p): (n, V, K)
+    err = (q.double() - table[torch.arange(n), prev]).abs().max().item()
+    assert err < 1e-5, f"returned q differs from softmax(S(sampled predecessor, ·)/T) by {err:.3g}"
+    position = torch.full((n, V), -1)                                    # token -> index among slot j's candidates
+    for j in range(n):
+        position[j, cands[j]] = torch.arange(len(cands[j]))
+    idx = position[torch.arange(n), path]
+    assert (idx >= 0).all(), "a drafted token is not among its slot's candidates"
+    law = table[0, anchor]                                               # law over candidate-index paths
+    for j in range(1, n):
+        law = law[..., None] * table[j][torch.tensor(cands[j - 1])]
+    counts = np.zeros(law.shape)
+    np.add.at(counts, tuple(idx.T.numpy()), 1)
+    pvalue = chi_square_pvalue(counts, law.numpy(), "drafted paths")
+    assert pvalue > 1e-6, f"drafted paths depart from Π_j q_j(·|drafted predecessor): p = {pvalue:.3g}"
+
+
+def brute_force_probs(logits, temperature, top_p, top_k):
+    """One row: softmax(logits/T) over the k largest logits, then the smallest set of the most
+    likely tokens whose mass reaches top_p, renormalised."""
+    order = sorted(range(len(logits)), key=lambda i: -logits[i])
+    keep = order[:top_k] if top_k else order
+    z = sum(math.exp(logits[i] / temperature) for i in keep)
+    probs = {i: math.exp(logits[i] / temperature) / z for i in keep}
+    kept, mass = [], 0.0
+    for i in keep:
+        if mass >= top_p:
+            break
+        kept.append(i)
+        mass += probs[i]
+    out = torch.zeros(len(logits), dtype=torch.float64)
+    out[kept] = torch.tensor([probs[i] / mass for i in kept], dtype=torch.float64)
+    return out
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.01])
+@pytest.mark.parametrize("top_k", [0, 1, 3, 10, 50])
+@pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
+def test_target_probs_matches_brute_force(temperature, top_k, top_p):
+    logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
+    got = target_probs(logits, temperature, top_p, top_k)
+    want = torch.stack([brute_force_probs(row.tolist(), temperature, top_p, top_k) for row in logits])
+    err = (got - want).abs().max().item()
+    assert err < 1e-12, f"target_probs(T={temperature}, top_k={top_k}, top_p={top_p}) differs from brute force by {err:.3g}"
+
+
+# -----------------------------------------------------------------------------
+# the whole loop samples the target's law (chi-square over the first 3 tokens)
+
+
+LOOP_V, LOOP_PROMPT, LOOP_RUNS = 8, (1, 2, 3), 200
+
+
+@pytest.fixture(scope="module")
+def loop_models():
+    """V = 8 peaked target; drafter with B = 4 and K = 4 < V candidates, q strongly
+    predecessor-conditioned, flat enough unary logits that drafts are often accepted.
+    No convolution: it only shapes h, and it would cost a third of the drafter's time."""
+    target = tiny_target(vocab_size=LOOP_V, num_layers=1, hidden_size=16, seed=2, lm_head_scale=20.0)
+    drafter = tiny_drafter(target, seed=3, block_size=4, selector_top_k=4, conv_kernel_size=0)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(0.3)
+    return target, drafter
+
+
+@torch.no_grad()
+def exact_joint3(target, temperature, top_p, top_k):
+    """p(x1) p(x2|x1) p(x3|x1,x2) after the prompt, (V, V, V), from one batched forward."""
+    V = LOOP_V
+    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
+    logits = target(torch.cat([torch.tensor([LOOP_PROMPT]).expand(len(pairs), -1), pairs], 1)).logits[:, -3:]
+    p = target_probs(logits, temperature, top_p, top_k)                           # (V^2, 3, V)
+    x1, x2 = pairs[:, 0], pairs[:, 1]
+    rows = torch.arange(len(pairs))
+    return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)
+
+
+@pytest.mark.parametrize("temperature, top_p, top_k, q_kind", [
+    (0.7, 1.0, 0, "walk"), (1.0, 1.0, 0, "walk"), (1.6, 1.0, 0, "walk"), (1.0, 0.9, 5, "walk"),
+    (1.0, 1.0, 0, "unary top-K")])
+def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperature, top_p, top_k, q_kind):
+    """max_new_tokens = 4 with B = 4: the first cycle drafts 2 slots, so the 2nd and 3rd
+    tokens come from slot-1 and slot-2 drafts (slot 2 conditional on the drafted slot 1),
+    residuals, bonuses or a following cycle. "unary top-K" verifies with the unary softmax
+    over the candidates instead of the walk's q (the path still comes from the walk): the
+    same test must reject it."""
+    target, drafter = loop_models
+    if q_kind == "unary top-K":
+        propose = drafter.propose
+
+        def wrong_q(h, unary, anchor, temperature=0.0, generator=None):
+            path, cand, q = propose(h, unary, anchor, temperature, generator)
+            return path, cand, torch.softmax(unary.gather(-1, cand) / temperature, -1)
+        monkeypatch.setattr(drafter, "propose", wrong_q)
+    g, counts, first_cycle = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), []
+    for _ in range(LOOP_RUNS):
+        out, stats = spec_generate(drafter, target, torch.tensor([LOOP_PROMPT]), 4, temperature, top_p, top_k, generator=g)
+        counts[tuple(out[:3].tolist())] += 1
+        first_cycle.append(stats.acceptance_lengths[0])
+    al = np.bincount(first_cycle, minlength=4)[1:]
+    assert al[0] and al[1] and al[2], f"first-cycle acceptance lengths 1/2/3 seen {al.tolist()} times: some branch is never exercised"
+    pvalue = chi_square_pvalue(counts, exact_joint3(target, temperature, top_p, top_k).numpy(), q_kind)
+    print(f"T={temperature} top_p={top_p} top_k={top_k} q={q_kind}: chi-square p = {pvalue:.3g}")
+    if q_kind == "walk":
+        assert pvalue > 1e-6, f"joint of the first 3 tokens departs from the target's exact joint: p = {pvalue:.3g}"
+    else:
+        assert pvalue < 1e-6, f"verifying with the unary top-K q went undetected: p = {pvalue:.3g}"
+
+
+# -----------------------------------------------------------------------------
+# cache rollback: the cropped target cache and the context-only draft cache equal fresh ones
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_reference, temperature):
+    """At T = 0 the drafts are right for 4, 0, 2, 1, 3, ... slots (every crop size, and no
+    crop); at T = 1 the random drafter is mostly rejected. Every target call's logits must
+    equal a fresh, cache-free forward over the committed tokens plus that call's input, and
+    every draft pass's hidden states a pass with a fresh DraftCache filled with all
+    committed context at once. Compared at 1e-12, not bitwise: a fresh prefill multiplies
+    matrices of other shapes, and BLAS does not promise the same rounding across shapes."""
+    prompt = PROMPTS[1]
+    if temperature == 0:
+        draft_calls = force_drafts(monkeypatch, drafter, greedy_reference[prompt], [4, 0, 2, 1, 3])
+    else:
+        draft_calls = record_forward(monkeypatch, drafter)
+    target_calls = record_forward(monkeypatch, target)
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, temperature,
+                               generator=torch.Generator().manual_seed(0))
+    monkeypatch.undo()
+    full, P = list(prompt) + out.tolist(), len(prompt)
+    committed = P + np.cumsum([0] + stats.acceptance_lengths)  # target cache length before each verify call
+    assert len(target_calls) == 1 + len(stats.acceptance_lengths) == len(draft_calls) + 1, (
+        f"{len(target_calls)} target calls, {len(draft_calls)} draft passes, {len(stats.acceptance_lengths)} cycles")
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        for i, ((ids,), _, res) in enumerate(target_calls[1:]):
+            L0, ids = int(committed[i]), ids[0].tolist()
+            assert ids[0] == full[L0], f"cycle {i}: anchor {ids[0]} != committed token {full[L0]} at position {L0}"
+            fresh = target(torch.tensor([full[:L0] + ids])).logits[0, L0:]
+            err = (res.logits[0] - fresh).abs().max().item()
+            assert err < 1e-12, f"cycle {i}: target logits with the rolled-back cache differ from a fresh prefill by {err:.3g}"
+
+            (block_embeds, block_pos, _, ctx_pos), _, h = draft_calls[i]
+            block = torch.tensor([[full[L0]] + [drafter.config.mask_token_id] * (drafter.config.block_size - 1)])
+            assert torch.equal(block_embeds, embed(block)), f"cycle {i}: draft block is not [anchor, MASK, ...]"
+            assert torch.equal(block_pos[0], torch.arange(L0, L0 + drafter.config.block_size)), (
+                f"cycle {i}: block positions {block_pos[0].tolist()}, anchor at {L0}")
+            assert ctx_pos[0].tolist() == list(range(int(committed[i - 1]) if i else 0, L0)), (
+                f"cycle {i}: new context positions {ctx_pos[0].tolist()}")
+            hs = target(torch.tensor([full[:L0]]), output_hidden_states=True).hidden_states
+            ctx = context_features(hs, drafter.config.target_layer_ids)
+            fresh = drafter(block_embeds, block_pos, ctx, torch.arange(L0)[None], cache=DraftCache(drafter.config.num_layers))
+            err = (h - fresh).abs().max().item()
+            assert err < 1e-12, f"cycle {i}: draft hidden states with the incremental DraftCache differ from a fresh one by {err:.3g}"
+
+
+# -----------------------------------------------------------------------------
+# argument checks and reproducibility
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(input_ids=torch.tensor([[1, 2], [3, 4]])), "batch 1"),
+    (dict(input_ids=torch.tensor([1, 2])), "batch 1"),
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "batch 1"),
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=1.0, top_p=0.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=1.0, top_k=-1), "top_k")])
+@pytest.mark.parametrize("generate", ["target_generate", "spec_generate"])
+def test_generation_arguments_are_checked(target, drafter, generate, kwargs, match):
+    args = {"input_ids": torch.tensor([[1, 2]]), "max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        if generate == "target_generate":
+            target_generate(target, **args)
+        else:
+            spec_generate(drafter, target, **args)
+
+
+@pytest.mark.parametrize("generate", ["target_generate", "spec_generate"])
+def test_generator_reproduces_sampling_without_the_global_rng(target, drafter, generate):
+    run = {"target_generate": lambda g: target_generate(target, torch.tensor([[5, 9]]), 12, 1.0, 0.9, 10, generator=g),
+           "spec_generate": lambda g: spec_generate(drafter, target, torch.tensor([[5, 9]]), 12, 1.0, 0.9, 10, generator=g)}[generate]
+    outs = []
+    for global_seed in (0, 1):
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        outs.append(run(torch.Generator().manual_seed(123)))
+        assert torch.equal(torch.get_rng_state(), state), f"{generate} with a generator advanced the global RNG"
+    (a, sa), (b, sb) = outs
+    assert a.tolist() == b.tolist() and sa.acceptance_lengths == sb.acceptance_lengths, (
+        f"{generate}, same generator seed, different global seeds: {a.tolist()} vs {b.tolist()}")
+    others = {tuple(run(torch.Generator().manual_seed(s))[0].tolist()) for s in range(4)}
+    assert len(others) > 1, f"{generate}: four generator seeds gave the same sample {others}: is the generator used?"
+
+
+# -----------------------------------------------------------------------------
+# checkpoints (§7)
+
+
+# SPEC §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
+# 2 draft layers, 4 heads / 2 KV heads of 8, V = 32, Kc = 2, G = 8, R = 4.
+def spec_tensor_shapes(dflash2):
+    H, I, n, L, nh, nkv, hd, V, Kc, G, R = 32, 64, 2, 2, 4, 2, 8, 32, 2, 8, 4
+    shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        shapes.update({
+            f"layers.{i}.input_layernorm.weight": (H,), f"layers.{i}.post_attention_layernorm.weight": (H,),
+            f"layers.{i}.self_attn.q_proj.weight": (nh * hd, H), f"layers.{i}.self_attn.k_proj.weight": (nkv * hd, H),
+            f"layers.{i}.self_attn.v_proj.weight": (nkv * hd, H), f"layers.{i}.self_attn.o_proj.weight": (H, nh * hd),
+            f"layers.{i}.self_attn.q_norm.weight": (hd,), f"layers.{i}.self_attn.k_norm.weight": (hd,),
+            f"layers.{i}.mlp.gate_proj.weight": (I, H), f"layers.{i}.mlp.up_proj.weight": (I, H),
+            f"layers.{i}.mlp.down_proj.weight": (H, I)})
+        if dflash2:
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, Kc, H)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * Kc * H // G, H)
+    if dflash2:
+        shapes.update({"candidate_selector.hidden_projection.weight": (R, H),
+                       "candidate_selector.predecessor_codebook": (V, R),
+                       "candidate_selector.successor_codebook": (V, R)})
+    return shapes
+
+
+SPEC_CONFIG_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+                    "tie_word_embeddings", "architectures", "num_target_layers", "block_size", "dflash_config"}
+SPEC_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size", "conv_group_size",
+                    "selector_rank", "selector_top_k"}
+
+
+def checkpoint_drafter(target, **overrides):
+    """float32, 2 layers, and every parameter random, so no tensor can hide behind its init."""
+    shape = dict(num_layers=2, block_size=5, target_layer_ids=[0, 1], selector_top_k=4)
+    drafter = tiny_drafter(target, seed=4, dtype=torch.float32, **{**shape, **overrides})
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return drafter
+
+
+def draft_inputs(drafter, target, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    B, S = drafter.config.block_size, 7
+    block = torch.randint(0, target.config.vocab_size, (1, B), generator=g)
+    with torch.no_grad():
+        hs = target(torch.randint(0, target.config.vocab_size, (1, S), generator=g), output_hidden_states=True).hidden_states
+    ctx = context_features(hs, drafter.config.target_layer_ids).float()
+    return target.get_input_embeddings()(block).float(), torch.arange(S, S + B)[None], ctx, torch.arange(S)[None], block[:, 0]
+
+
+@torch.no_grad()
+def drafts(drafter, target, inputs, temperature):
+    """Hidden states and the proposal (path, cand, q) of one draft pass."""
+    *forward_args, anchor = inputs
+    h = drafter(*forward_args)[:, 1:]
+    unary = target.get_output_embeddings()(h.double()).float()
+    return (h, *drafter.propose(h, unary, anchor, temperature, torch.Generator().manual_seed(0)))
+
+
+def assert_same_drafts(a, b, what):
+    for name, x, y in zip(("hidden states", "path", "candidates", "q"), a, b):
+        assert torch.equal(x, y), f"{what}: {name} differ (max |diff| {(x.double() - y.double()).abs().max().item():.3g})"
+
+
+def tensor_shapes(path):
+    with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def assert_tensor_contract(path, dflash2):
+    shapes, _ = tensor_shapes(path)
+    spec = spec_tensor_shapes(dflash2)
+    assert shapes == spec, (f"tensors: missing {sorted(set(spec) - set(shapes))}, unexpected {sorted(set(shapes) - set(spec))}, "
+                            f"mis-shaped {sorted(f'{k} {shapes[k]} != {spec[k]}' for k in spec if k in shapes and shapes[k] != spec[k])}")
+
+
+def test_checkpoint_round_trip_and_contract(tmp_path, target):
+    drafter = checkpoint_drafter(target)
+    path = tmp_path / "ckpt"
+    drafter.save_pretrained(path, dtype=torch.float32)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(path)) == ["config.json", "model.safetensors"], (
+        f"export left {sorted(os.listdir(tmp_path))}, holding {sorted(os.listdir(path))}")
+
+    assert_tensor_contract(path, dflash2=True)
+    dtypes = tensor_shapes(path)[1]
+    assert dtypes == {"F32"}, f"fp32 export holds {dtypes}"
+
+    config = json.loads((path / "config.json").read_text())
+    assert SPEC_CONFIG_KEYS <= set(config) and ({"rope_theta", "rope_parameters"} & set(config)), (
+        f"config.json lacks {sorted(SPEC_CONFIG_KEYS - set(config))} or both rope_theta and rope_parameters")
+    # anything else must be a field a Qwen3 config has (torch_dtype: the spelling transformers < 5 wrote)
+    qwen3_keys = set(transformers.Qwen3Config().to_dict()) | {"rope_theta", "torch_dtype"}
+    assert set(config) - SPEC_CONFIG_KEYS <= qwen3_keys, f"config.json keys outside SPEC and Qwen3: {sorted(set(config) - SPEC_CONFIG_KEYS - qwen3_keys)}"
+    assert set(config["dflash_config"]) == SPEC_DFLASH_KEYS, f"dflash_config keys {sorted(config['dflash_config'])}"
+    want = dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=32,
+                tie_word_embeddings=False, num_target_layers=2, block_size=5)
+    got = {k: config[k] for k in want}
+    assert got == want, f"config.json {got} != {want}"
+    want_dflash = dict(block_size=5, mask_token_id=31, target_layer_ids=[0, 1], conv_kernel_size=2, conv_group_size=8,
+                       selector_rank=4, selector_top_k=4)
+    assert config["dflash_config"] == want_dflash, f"dflash_config {config['dflash_config']} != {want_dflash}"
+    qwen3 = transformers.Qwen3Config.from_pretrained(path)
+    assert (qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.rope_parameters["rope_theta"]) == (32, 2, drafter.config.rope_theta), (
+        f"transformers reads config.json as {qwen3}")
+
+    loaded = DFlash2Drafter.from_pretrained(path)
+    assert loaded.config == drafter.config, f"config after the round trip {loaded.config} != {drafter.config}"
+    inputs = draft_inputs(drafter, target)
+    for temperature in (0.0, 1.0):
+        assert_same_drafts(drafts(loaded, target, inputs, temperature), drafts(drafter, target, inputs, temperature),
+                           f"fp32 round trip, T={temperature}")
+
+
+def test_checkpoint_bf16_by_default(tmp_path, target):
+    drafter = checkpoint_drafter(target)
+    drafter.save_pretrained(tmp_path / "ckpt")
+    dtypes = tensor_shapes(tmp_path / "ckpt")[1]
+    assert dtypes == {"BF16"}, f"default export holds {dtypes}, not bf16"
+    assert transformers.Qwen3Config.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16, "config.json does not say bfloat16"
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt").state_dict()
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded[k], v.bfloat16().float()), f"{k} is not the bf16 rounding of the saved tensor"
+
+
+def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
+    v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
+    v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
+    config = json.loads((tmp_path / "v1" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"], f"v1 architectures {config['architectures']}"
+    off = {k: config["dflash_config"][k] for k in ("conv_kernel_size", "selector_top_k") if k in config["dflash_config"]}
+    assert {"block_size", "mask_token_id", "target_layer_ids"} <= set(config["dflash_config"]) <= SPEC_DFLASH_KEYS \
+        and not any(off.values()), f"v1 dflash_config {config['dflash_config']}"
+    assert_tensor_contract(tmp_path / "v1", dflash2=False)
+
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "v1")
+    assert not loaded.config.is_dflash2 and not hasattr(loaded, "candidate_selector"), f"v1 loaded as {loaded.config}"
+    warm = DFlash2Drafter.from_pretrained(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
+    assert warm.config.is_dflash2 and hasattr(warm.layers[0], "attention_conv"), f"warm start built {warm.config}"
+    inputs = draft_inputs(v1, target)
+    reference = drafts(v1, target, inputs, 0.0)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), reference, "v1 round trip")
+    h, path = drafts(warm, target, inputs, 0.0)[:2]
+    assert torch.equal(h, reference[0]), f"warm-started hidden states differ by {(h - reference[0]).abs().max().item():.3g}"
+    assert torch.equal(path, reference[1]), f"warm-started greedy proposal {path.tolist()} != v1's {reference[1].tolist()}"
+    # lossless decoding makes both outputs the target's greedy text: the acceptance lengths show the proposals agree
+    prompt = torch.tensor([PROMPTS[2]])
+    (out_v1, stats_v1), (out_warm, stats_warm) = (spec_generate(d, target, prompt, MAX_NEW) for d in (loaded, warm))
+    assert out_warm.tolist() == out_v1.tolist() and stats_warm.acceptance_lengths == stats_v1.acceptance_lengths, (
+        f"warm start: {out_warm.tolist()} with acceptance lengths {stats_warm.acceptance_lengths}, "
+        f"v1: {out_v1.tolist()} with {stats_v1.acceptance_lengths}")
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def edit_config(path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, edit):
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    edit(tensors)
+    safetensors.torch.save_file(tensors, path / "model.safetensors")
+
+
+MALFORMED = {
+    "missing config.json": (lambda p: os.remove(p / "config.json"), "config.json not found"),
+    "missing model.safetensors": (lambda p: os.remove(p / "model.safetensors"), "model.safetensors not found"),
+    "wrong architectures": (lambda p: edit_config(p, lambda c: c.update(architectures=["Qwen3ForCausalLM"])), "architectures"),
+    "config lacks hidden_size": (lambda p: edit_config(p, lambda c: c.pop("hidden_size")), "hidden_size"),
+    "config lacks mask_token_id": (lambda p: edit_config(p, lambda c: c["dflash_config"].pop("mask_token_id")), "mask_token_id"),
+    "missing tensor": (lambda p: edit_tensors(p, lambda t: t.pop("norm.weight")), r"missing \['norm.weight'\]"),
+    "missing DFlash2 tensor": (lambda p: edit_tensors(p, lambda t: t.pop("candidate_selector.successor_codebook")),
+                               r"missing \['candidate_selector.successor_codebook'\]"),  # only a v1 checkpoint may lack it
+    "unexpected tensor": (lambda p: edit_tensors(p, lambda t: t.update({"lm_head.weight": torch.zeros(32, 32)})),
+                          r"unexpected \['lm_head.weight'\]"),
+    "mis-shaped tensor": (lambda p: edit_tensors(p, lambda t: t.update({"fc.weight": t["fc.weight"][:, :32].contiguous()})),
+                          r"mis-shaped \['fc.weight \(32, 32\) != \(32, 64\)'\]"),
+}
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory, target):
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    checkpoint_drafter(target).save_pretrained(path, dtype=torch.float32)
+    return path
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_checkpoint_raises(tmp_path, saved_checkpoint, case):
+    corrupt, match = MALFORMED[case]
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    corrupt(path)
+    with pytest.raises(ValueError, match=match):
+        DFlash2Drafter.from_pretrained(path)
+
+
+def test_pickled_weights_are_never_unpickled(tmp_path, saved_checkpoint):
+    pickle.loads(pickle.dumps(Payload(str(tmp_path / "armed"))))
+    assert (tmp_path / "armed").exists(), "the payload does not fire when unpickled: this test could not fail"
+    path, marker = tmp_path / "ckpt", tmp_path / "unpickled"
+    shutil.copytree(saved_checkpoint, path)
+    with open(path / "model.safetensors", "wb") as f:
+        pickle.dump({"fc.weight": Payload(str(marker))}, f)
+    with pytest.raises(safetensors.SafetensorError):
+        DFlash2Drafter.from_pretrained(path)
+    assert not marker.exists(), "loading a checkpoint ran pickle"
+
+
+def boom(*args, **kwargs):
+    raise OSError("disk full")
+
+
+def half_written_json(obj, f, **kwargs):
+    f.write('{"architectures": ')
+    raise OSError("disk full")
+
+
+@pytest.mark.parametrize("crash", ["safetensors.torch.save_file", "json.dump"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, saved_checkpoint, target, crash, existing):
+    path = tmp_path / "ckpt"
+    if existing:
+        shutil.copytree(saved_checkpoint, path)
+    before = {f: (path / f).read_bytes() for f in os.listdir(path)} if existing else None
+    monkeypatch.setattr(crash, boom if crash.startswith("safetensors") else half_written_json)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint_drafter(target).save_pretrained(path)
+    assert sorted(os.listdir(tmp_path)) == (["ckpt"] if existing else []), f"a crash in {crash} left {sorted(os.listdir(tmp_path))}"
+    if existing:
+        after = {f: (path / f).read_bytes() for f in os.listdir(path)}
+        assert after == before, f"a crash in {crash} changed the older checkpoint: files {sorted(after)} vs {sorted(before)}"

@@ -1,0 +1,156 @@
+"""End-to-end tests of train.py on a tiny random Qwen3 target; no downloads, CPU only."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+import train as T
+from dflash2 import DFlash2Config, DFlash2Drafter
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
+                {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
+
+
+def tiny_target(path, tokenizer, hidden=64):
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                      tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    root = tmp_path_factory.mktemp("world")
+    convs = T.stdlib_conversations(chunk_chars=200)[:24]
+    return {"root": root, "target": tiny_target(root / "target", T.build_tiny_tokenizer()),
+            "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
+
+
+def flags(world, out, *extra, data=None):
+    return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out),
+            "--cache-dir", str(world["root"] / "cache"), "--seq-len", "96", "--batch-size", "2", "--max-anchors", "6",
+            "--val-size", "4", "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8",
+            "--log-every", "1", *extra]
+
+
+def args_for(world, out, *extra, data=None):
+    return T.parse_args(flags(world, out, *extra, data=data))
+
+
+def test_smoke_run_writes_loadable_checkpoint(world, tmp_path, capsys):
+    summary = T.train(args_for(world, tmp_path / "out", "--steps", "3"))
+    assert len(summary["losses"]) == 3 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
+    drafter = DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint")
+    assert drafter.config.hidden_size == 64 and drafter.config.selector_top_k == 16, drafter.config
+    assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, f"acceptance lengths {summary['al_t0']}, {summary['al_t1']}"
+    out = capsys.readouterr().out
+    assert "step     3/3 | loss " in out and "temperature   mean AL" in out, out
+
+
+@pytest.mark.parametrize("generation_tag", [True, False])
+@pytest.mark.parametrize("shape", ["messages", "conversations"])
+def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
+    template = T.CHATML if generation_tag else T.CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    tokenizer = T.build_tiny_tokenizer(template)
+    msgs = CONVERSATION if shape == "messages" else [
+        {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
+    rows = T.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512, str(tmp_path))
+    ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
+    got = tokenizer.decode(ids[mask.bool()])
+    # without {% generation %} the mask is everything after the prompt, the template's trailing newline included
+    want = CONVERSATION[1]["content"] + "<|im_end|>" + ("" if generation_tag else "\n")
+    assert got == want, f"masked tokens decode to {got!r}, expected the assistant turn {want!r}"
+
+
+def test_resume_repeats_the_uninterrupted_run(world, tmp_path, monkeypatch):
+    straight = T.train(args_for(world, tmp_path / "a", "--steps", "4", "--save-every", "2"))["losses"]
+    save = T.save_checkpoint
+
+    def save_then_die(*a, **k):  # a kill right after the step-2 checkpoint
+        save(*a, **k)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(T, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        T.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2"))
+    monkeypatch.setattr(T, "save_checkpoint", save)
+    resumed = T.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume"))["losses"]
+    assert list(resumed) == [3, 4], f"resumed run did steps {list(resumed)}, expected [3, 4]"
+    assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
+
+
+def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
+    real, calls = T.dflash2_loss, []
+
+    def nan_on_second_step(*a, **k):
+        loss, stats = real(*a, **k)
+        calls.append(1)
+        return (loss * float("nan") if len(calls) == 2 else loss), stats
+
+    monkeypatch.setattr(T, "dflash2_loss", nan_on_second_step)
+    with pytest.raises(RuntimeError, match="not finite"):
+        T.train(args_for(world, tmp_path / "out", "--steps", "4", "--save-every", "1"))
+    state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)
+    assert state["step"] == 1, f"last checkpoint is from step {state['step']}, expected 1 (before the NaN)"
+    assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
+
+
+def test_torchrun_two_ranks_keep_identical_replicas(world, tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
+           *flags(world, tmp_path / "out", "--steps", "2")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "replicas agree: parameter checksum" in run.stdout and "on 2 ranks" in run.stdout, run.stdout[-3000:]
+    DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint")
+
+
+def other_width_checkpoint(path):
+    DFlash2Drafter(DFlash2Config(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
+                                 vocab_size=260, num_target_layers=4, target_layer_ids=[1], mask_token_id=258,
+                                 num_layers=1)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["missing data", "no assistant", "mask id", "layer ids", "init width", "out dir"])
+def test_bad_input_fails_before_writing(world, tmp_path, case):
+    out, extra, data = tmp_path / "out", [], None
+    if case == "missing data":
+        data, match = str(tmp_path / "nope.jsonl"), "no such file"
+    elif case == "no assistant":
+        data = write_jsonl(tmp_path / "u.jsonl", [{"messages": CONVERSATION[:1]}] * 8)
+        match = "no row has assistant tokens"
+    elif case == "mask id":
+        extra, match = ["--mask-token-id", "100000"], "outside the target's embedding table"
+    elif case == "layer ids":
+        extra, match = ["--target-layer-ids", "1,9"], r"target_layer_ids \[9\] outside"
+    elif case == "init width":
+        extra, match = ["--init-from", other_width_checkpoint(tmp_path / "ckpt")], "hidden_size 32 but the target has 64"
+    else:
+        (tmp_path / "file").write_text("")
+        out, match = tmp_path / "file" / "out", "not writable"
+    with pytest.raises(ValueError, match=match):
+        T.train(args_for(world, out, "--steps", "1", *extra, data=data))
+    assert not out.exists(), f"{out} was created by a run that failed on bad input"
+
+
+def test_offline_world_builds_a_loadable_target(tmp_path):
+    target, data = T.tiny_world(tmp_path, pretrain_steps=1, log=lambda *a: None)
+    model = AutoModelForCausalLM.from_pretrained(target)
+    assert model.config.model_type == "qwen3" and model.config.vocab_size == 260, model.config
+    first = json.loads(open(data).readline())["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant"], first
