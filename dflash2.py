@@ -862,7 +862,11 @@ def load_checkpoint(path, dtype=torch.float32, **overrides):
         raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
     drafter = DFlash2Drafter(DFlash2Config(**{**fields, **overrides}))
 
-    tensors, expected = load_file(weights_file), drafter.state_dict()
+    try:
+        tensors = load_file(weights_file)
+    except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
+        raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
+    expected = drafter.state_dict()
     missing = sorted(set(expected) - set(tensors))
     if arch == "DFlashDraftModel":  # warm start: the DFlash2 parts keep their identity init
         missing = [k for k in missing if "_conv." not in k and not k.startswith("candidate_selector.")]
