@@ -195,8 +195,13 @@ def spec_eval(drafter, target, prompts, args, temperature, stop_id):
 def ablation(args):
     import train as T  # the same training code path as `python train.py`
     base = ["--cache-dir", args.cache_dir, "--export-dtype", "float32", "--eval-prompts", "2"]
-    if args.quick:
-        base += ["--tiny-pretrain-steps", "20", "--steps", "10", "--val-size", "8", "--eval-new-tokens", "16"]
+    if args.quick:  # a barely trained target and the first 64 conversations: checks the plumbing, not the numbers
+        T.tiny_world(args.cache_dir, 20)
+        quick_data = os.path.join(args.out_dir, "quick-conversations.jsonl")
+        with open(os.path.join(args.cache_dir, "stdlib-conversations.jsonl")) as src, open(quick_data, "w") as dst:
+            dst.writelines(line for _, line in zip(range(64), src))
+        base += ["--tiny-pretrain-steps", "20", "--data", quick_data, "--steps", "4", "--val-size", "8",
+                 "--eval-new-tokens", "8", "--batch-size", "4", "--seq-len", "256"]
     elif args.steps:
         base += ["--steps", str(args.steps)]
     runs = {}
@@ -212,6 +217,7 @@ def ablation(args):
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
     targs = T.parse_args(base)
     target_path, data_path = T.tiny_world(args.cache_dir, targs.tiny_pretrain_steps)  # cached by the runs above
+    data_path = targs.data or data_path
     tokenizer = T.transformers.AutoTokenizer.from_pretrained(target_path)
     target = T.transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     rows = T.load_rows(data_path, "train", tokenizer, targs.seq_len, args.cache_dir)
@@ -294,6 +300,8 @@ def plot(ablation_results, path):
 
 def main(args):
     os.makedirs(args.out_dir, exist_ok=True)
+    if args.quick:
+        args.eval_prompts, args.eval_tokens = min(args.eval_prompts, 3), min(args.eval_tokens, 16)
     parts, results, t0 = args.parts.split(","), {}, time.time()
     if "cost" in parts:
         results["draft_step"], results["train_step"] = draft_step_cost(args), train_step_cost(args)

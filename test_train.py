@@ -2,12 +2,13 @@
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import train as T
 from dflash2 import DFlash2Config, DFlash2Drafter
@@ -19,9 +20,10 @@ CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
 
 def tiny_target(path, tokenizer, hidden=64):
     torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
-                      tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                      max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                      eos_token_id=tokenizer.eos_token_id)
     Qwen3ForCausalLM(cfg).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
@@ -35,14 +37,14 @@ def write_jsonl(path, rows):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    convs = T.stdlib_conversations(chunk_chars=200)[:24]
+    convs = T.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
     return {"root": root, "target": tiny_target(root / "target", T.build_tiny_tokenizer()),
             "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
 def flags(world, out, *extra, data=None):
     return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out),
-            "--cache-dir", str(world["root"] / "cache"), "--seq-len", "96", "--batch-size", "2", "--max-anchors", "6",
+            "--cache-dir", str(world["root"] / "cache"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6",
             "--val-size", "4", "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8",
             "--log-every", "1", *extra]
 
@@ -64,7 +66,7 @@ def test_smoke_run_writes_loadable_checkpoint(world, tmp_path, capsys):
 @pytest.mark.parametrize("generation_tag", [True, False])
 @pytest.mark.parametrize("shape", ["messages", "conversations"])
 def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
-    template = T.CHATML if generation_tag else T.CHATML.replace("{% generation %}", "").replace("{% endgeneration %}", "")
+    template = T.CHATML if generation_tag else re.sub(r"{% (end)?generation %}", "", T.CHATML)
     tokenizer = T.build_tiny_tokenizer(template)
     msgs = CONVERSATION if shape == "messages" else [
         {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
@@ -93,6 +95,15 @@ def test_resume_repeats_the_uninterrupted_run(world, tmp_path, monkeypatch):
     assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
 
 
+def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
+    v1 = DFlash2Config.from_target(AutoConfig.from_pretrained(world["target"]), mask_token_id=258, num_layers=1,
+                                   conv_kernel_size=0, selector_top_k=0)
+    DFlash2Drafter(v1).save_pretrained(tmp_path / "v1")
+    T.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(tmp_path / "v1")))
+    c = DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint").config
+    assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
+
+
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = T.dflash2_loss, []
 
@@ -110,8 +121,8 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
 
 
 def test_torchrun_two_ranks_keep_identical_replicas(world, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(HERE, "train.py"),
-           *flags(world, tmp_path / "out", "--steps", "2")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "out", "--steps", "2")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -139,7 +150,8 @@ def test_bad_input_fails_before_writing(world, tmp_path, case):
     elif case == "layer ids":
         extra, match = ["--target-layer-ids", "1,9"], r"target_layer_ids \[9\] outside"
     elif case == "init width":
-        extra, match = ["--init-from", other_width_checkpoint(tmp_path / "ckpt")], "hidden_size 32 but the target has 64"
+        extra = ["--init-from", other_width_checkpoint(tmp_path / "ckpt")]
+        match = "hidden_size 32 but the target has 64"
     else:
         (tmp_path / "file").write_text("")
         out, match = tmp_path / "file" / "out", "not writable"

@@ -2,14 +2,14 @@
 Train a DFlash2 drafter against a frozen target (SPEC.md §6). A script, not a framework:
 arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -> export.
 
-    python train.py                                  # offline demo, ~13 min on 2 CPU cores
-    python train.py --target Qwen/Qwen3-4B --data chats.jsonl --seq-len 3072 \
-        --max-anchors 512 --epochs 6 --num-layers 5 --out-dir out/qwen3-4b
+    python train.py                                  # offline demo: ~9 min on 2 CPU cores, first run
+    python train.py --target Qwen/Qwen3-4B --data chats.jsonl --seq-len 3072 --max-anchors 512 \
+        --epochs 6 --num-layers 5 --batch-size 2 --grad-accum 4 --out-dir out/qwen3-4b
     torchrun --nproc_per_node=8 train.py ...         # data parallel: one frozen target per rank
 
 With no --target the script first builds, once, an offline world under --cache-dir: a
 byte-level tokenizer with a ChatML template, conversations cut from the running Python's
-own standard library ("Continue this code:" + a prefix -> the rest), and a ~3M-parameter
+own standard library ("Continue this code:" + a prefix -> the rest), and a 1.8M-parameter
 Qwen3 pretrained on them from scratch and saved like any Hugging Face model, so the
 drafter then trains through the same code path as a real --target folder.
 
@@ -22,6 +22,7 @@ import json
 import math
 import os
 import re
+import shutil
 import sysconfig
 import time
 from functools import lru_cache
@@ -42,15 +43,15 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash2 drafter (SPEC.md §6).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("target and data")
-    g.add_argument("--target", help="HF model folder or hub id of the frozen target "
-                   "(default: the offline tiny Qwen3 trained on the stdlib, built and cached on first use)")
+    g.add_argument("--target", help="HF model folder or hub id of the frozen target; unset: the offline tiny "
+                   "Qwen3 trained on the stdlib, built and cached on first use")
     g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet/.txt; rows hold 'messages' or "
-                   "'conversations' (role/content or from/value) or plain 'text' (default: stdlib conversations)")
+                   "'conversations' (role/content or from/value) or plain 'text'; unset: the stdlib conversations")
     g.add_argument("--data-split", default="train", help="split of a hub dataset")
     g.add_argument("--val-size", type=int, default=32, help="last rows held out for validation and spec_generate")
     g.add_argument("--seq-len", type=int, default=512, help="rows are truncated to this many tokens (paper: 3072)")
-    g.add_argument("--mask-token-id", type=int, help="id of the MASK slots (default: the tokenizer's mask token, "
-                   "else the first target embedding row that no token uses)")
+    g.add_argument("--mask-token-id", type=int, help="id of the MASK slots; unset: the tokenizer's mask token, "
+                   "else the first target embedding row that no token uses")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
@@ -61,7 +62,7 @@ def parse_args(argv=None):
     g.add_argument("--num-layers", type=int, default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
     g.add_argument("--block-size", type=int, default=8, help="B: anchor + B-1 drafted tokens")
     g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
-                   help="comma-separated target layers feeding the context (default: SPEC §1 rule)")
+                   help="comma-separated target layers feeding the context; unset: the SPEC §1 rule")
     g.add_argument("--conv-kernel-size", type=int, default=2, help="local convolution taps Kc (0 disables)")
     g.add_argument("--conv-group-size", type=int, default=16, help="channels per dynamic coefficient G")
     g.add_argument("--selector-rank", type=int, default=256, help="candidate selector rank R")
@@ -70,10 +71,11 @@ def parse_args(argv=None):
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
     g.add_argument("--loss", default="kl", choices=["kl", "ce"], help="unary loss: forward KL or CE on target argmax")
-    g.add_argument("--gamma", type=float, help="slot weight decay w_k = exp(-(k-1)/γ) (default: 4/5/7 for B=8/10/16)")
+    g.add_argument("--gamma", type=float, help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
     g.add_argument("--alpha", type=float, default=1.0, help="weight of the selector loss")
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
-    g.add_argument("--max-anchors", type=int, default=64, help="blocks per sequence per step (paper: 512)")
+    g.add_argument("--max-anchors", type=int, default=32,
+                   help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
     g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps, then cosine to 0")
@@ -81,8 +83,8 @@ def parse_args(argv=None):
     g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 disables)")
     g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    g.add_argument("--steps", type=int, default=600, help="optimizer steps")
-    g.add_argument("--epochs", type=float, help="if set, overrides --steps with this many passes over the data")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps")
+    g.add_argument("--epochs", type=float, help="passes over the data; overrides --steps when set")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoint/ and resume.pt go here")
     g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
@@ -90,7 +92,7 @@ def parse_args(argv=None):
     g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: only at the end)")
     g.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (0: only at the end)")
     g.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real spec_generate AL")
-    g.add_argument("--eval-new-tokens", type=int, default=128, help="tokens generated per eval prompt")
+    g.add_argument("--eval-new-tokens", type=int, default=96, help="tokens generated per eval prompt")
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint/ dtype")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
     return p.parse_args(argv)
@@ -119,7 +121,7 @@ def build_tiny_tokenizer(chat_template=CHATML):
                                    chat_template=chat_template)
 
 
-def stdlib_conversations(chunk_chars=480, seed=0):
+def stdlib_conversations(chunk_chars=300, seed=0):
     """Cut the top-level .py files of this Python's standard library into chunks of whole
     lines; the first third of a chunk is the prompt, the rest the answer. Shuffled, so the
     held-out tail samples the whole library."""
@@ -154,13 +156,13 @@ def pad(rows, value):
     return ids, (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
 
 
-def pretrain_tiny_target(tokenizer, conversations, steps, log=print, seq_len=512, batch_size=16, lr=3e-3, seed=0):
-    """Next-token pretraining of a ~3M-parameter Qwen3 on the rendered conversations."""
+def pretrain_tiny_target(tokenizer, conversations, steps, log=print, seq_len=512, batch_size=8, lr=3e-3, seed=0):
+    """Next-token pretraining of a 1.8M-parameter Qwen3 on the rendered conversations."""
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=192, intermediate_size=576,
+                                      num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+                                      max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     model = transformers.Qwen3ForCausalLM(config)
     render = lambda c: tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:seq_len]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
@@ -168,8 +170,8 @@ def pretrain_tiny_target(tokenizer, conversations, steps, log=print, seq_len=512
     for step in range(steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, steps, max(1, steps // 20), lr)
-        ids, attn = pad([render(conversations[i]) for i in torch.randint(len(conversations), (batch_size,),
-                                                                           generator=gen).tolist()], tokenizer.pad_token_id)
+        picks = torch.randint(len(conversations), (batch_size,), generator=gen).tolist()
+        ids, attn = pad([render(conversations[i]) for i in picks], tokenizer.pad_token_id)
         loss = model(input_ids=ids, attention_mask=attn, labels=ids.masked_fill(attn == 0, -100)).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -198,7 +200,10 @@ def tiny_world(cache_dir, pretrain_steps, log=print):
         tmp = cache / f"{target.name}.tmp{os.getpid()}"
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process built it first: keep theirs
+            shutil.rmtree(tmp)
     return str(target), str(data)
 
 
@@ -208,11 +213,18 @@ def tiny_world(cache_dir, pretrain_steps, log=print):
 ROLES = {"human": "user", "gpt": "assistant", "model": "assistant"}  # ShareGPT-style from/value
 
 
+def message(m):
+    """role/content (OpenAI style) or from/value (ShareGPT style) -> role/content."""
+    role = m.get("role") or m.get("from")
+    return {"role": ROLES.get(role, role), "content": m["content"] if m.get("content") is not None else m.get("value")}
+
+
 def chat_tokens(tokenizer, messages):
     """The template's own assistant mask when it marks {% generation %}; otherwise every
     token after the prompt of the last assistant turn."""
     if re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True)
         return out["input_ids"], out["assistant_masks"]
     ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
     last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
@@ -233,21 +245,21 @@ def load_rows(data, split, tokenizer, seq_len, cache_dir):
         if not Path(data).is_file():
             raise ValueError(f"--data {data}: no such file")
         extra = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=data, split="train", cache_dir=os.path.join(cache_dir, "datasets"), **extra)
+        ds = datasets.load_dataset(builder, data_files=data, split="train",
+                                   cache_dir=os.path.join(cache_dir, "datasets"), **extra)
     else:
         ds = datasets.load_dataset(data, split=split)
     key = next((k for k in ("messages", "conversations", "text") if k in ds.column_names), None)
     if key is None:
-        raise ValueError(f"--data {data}: expected a 'messages', 'conversations' or 'text' column, found {ds.column_names}")
+        raise ValueError(f"--data {data}: expected a 'messages', 'conversations' or 'text' column, "
+                         f"found {ds.column_names}")
 
     def encode(row):
         if key == "text":  # plain text: every token is a training token
             ids = tokenizer(row["text"])["input_ids"]
             mask = [1] * len(ids)
         else:
-            msgs = [{"role": ROLES.get(m.get("role") or m.get("from"), m.get("role") or m.get("from")),
-                     "content": m.get("content") if m.get("content") is not None else m.get("value")} for m in row[key]]
-            ids, mask = chat_tokens(tokenizer, msgs)
+            ids, mask = chat_tokens(tokenizer, [message(m) for m in row[key]])
         return {"input_ids": ids[:seq_len], "loss_mask": mask[:seq_len]}
 
     ds = ds.map(encode, remove_columns=ds.column_names).filter(lambda r: sum(r["loss_mask"]) > 1)
@@ -311,24 +323,25 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
                                   args, gen)[1] for i in range(0, len(val), args.batch_size)])
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
     for temperature in (0.0, 1.0):
-        als, tps = [], []
+        als, tps, texts = [], [], []
         for i in range(min(args.eval_prompts, len(val))):
             ids, mask = val[i]["input_ids"], val[i]["loss_mask"]
             start = int(mask.nonzero()[0]) or len(ids) // 2  # prompt = all before the first answer token
-            _, s = spec_generate(drafter, target, ids[None, :start].to(device), args.eval_new_tokens, temperature,
-                                 stop_token_ids=[tokenizer.eos_token_id], generator=gen)
+            new, s = spec_generate(drafter, target, ids[None, :start].to(device), args.eval_new_tokens, temperature,
+                                   stop_token_ids=[tokenizer.eos_token_id], generator=gen)
             als.append(s.mean_acceptance_length)
             tps.append(s.tokens_per_second)
-        table[temperature] = (sum(als) / len(als), sum(tps) / len(tps))
+            texts.append(tokenizer.decode(new))
+        table[temperature] = (sum(als) / len(als), sum(tps) / len(tps), texts[0])
     sel = lambda k: f"{stats[k]:.3f}" if k in stats else "-"
     log(f"eval | val loss {stats['loss']:.4f} unary {stats['unary_loss']:.4f} sel {sel('selector_loss')} | "
         f"recall@K {sel('recall_at_k')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
         f"{stats['al_unary']:.2f} selector {sel('al_selector')} oracle {sel('al_oracle')}")
     log("eval | slot accuracy " + " ".join(f"{a:.2f}" for a in stats["slot_acc"]))
     log(f"eval | spec_generate, {len(als)} held-out prompts, <= {args.eval_new_tokens} new tokens")
-    log("eval |   temperature   mean AL   tokens/s")
-    for temperature, (al, tok_s) in table.items():
-        log(f"eval |   {temperature:>11.1f}   {al:>7.2f}   {tok_s:>8.1f}")
+    log("eval |   temperature   mean AL   tokens/s   start of the first output")
+    for temperature, (al, tok_s, text) in table.items():
+        log(f"eval |   {temperature:>11.1f}   {al:>7.2f}   {tok_s:>8.1f}   {text[:40]!r}")
     return {"val": stats, "al_t0": table[0.0][0], "al_t1": table[1.0][0]}
 
 
@@ -386,13 +399,18 @@ def train(args):
             dist.barrier()
         args.target, args.data = args.target or target_path, args.data or data_path
         log(f"offline world cached in {os.path.abspath(args.cache_dir)}")
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval().requires_grad_(False)
+    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
+        tokenizer.pad_token = tokenizer.eos_token
+    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device)
+    target.eval().requires_grad_(False)
     rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, args.cache_dir)
     if len(rows) <= args.val_size:
         raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
-    train_rows, val = rows.select(range(len(rows) - args.val_size)), rows.select(range(len(rows) - args.val_size, len(rows)))
+    n_train = len(rows) - args.val_size
+    train_rows, val = rows.select(range(n_train)), rows.select(range(n_train, len(rows)))
     num_rows = target.get_input_embeddings().weight.shape[0]
     mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, num_rows)
 
@@ -435,10 +453,11 @@ def train(args):
             dist.broadcast(p.data, 0)
     os.makedirs(args.out_dir, exist_ok=True)
     n_params = sum(p.numel() for p in params)
+    c = drafter.config
     log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {dtype}) | drafter "
-        f"{n_params / 1e6:.2f}M, {drafter.config.num_layers} layers, B={drafter.config.block_size}, layers "
-        f"{drafter.config.target_layer_ids}, mask token {drafter.config.mask_token_id} | data {args.data}: "
-        f"{len(train_rows)} train / {len(val)} val rows | {world} rank(s) on {device.type} | out {args.out_dir}")
+        f"{n_params / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers {c.target_layer_ids}, mask "
+        f"token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} val rows | {world} "
+        f"rank(s) on {device.type} | out {os.path.abspath(args.out_dir)}")
 
     # the data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its
     # slice of every global batch, so the step alone says where the data stands
@@ -489,7 +508,8 @@ def train(args):
 
         if step % args.log_every == 0 or step == total:
             s, now = mean_stats(micro_stats), time.time()
-            f = lambda k, spec: format(s[k], spec) if k in s else "-"  # "-": the selector is off
+            # loss: mean over all ranks; the other terms: rank 0's micro-batches ("-": selector off)
+            f = lambda k, spec: format(s[k], spec) if k in s else "-"
             eta = (now - t_start) / (step - start_step) * (total - step)
             log(f"step {step:>5}/{total} | loss {losses[step]:.4f} unary {s['unary_loss']:.4f} sel "
                 f"{f('selector_loss', '.4f')} | slot acc {' '.join(f'{a:.2f}' for a in s['slot_acc'])} | AL unary "
