@@ -30,12 +30,11 @@ Notation (shape comments): b batch, B block size, H hidden, V vocab, K candidate
 R selector rank, S sequence length, N anchors per sequence, Kc conv taps, G conv group.
 """
 import json
-import math
 import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
