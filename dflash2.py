@@ -119,14 +119,18 @@ class DFlash2Config:
             rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 1e6)),
             max_position_embeddings=target_config.max_position_embeddings,
         )
-        unknown = set(overrides) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
+        check_overrides(overrides)
         return cls(**{**shape, **overrides})
 
     @property
     def is_dflash2(self):
         return bool(self.conv_kernel_size or self.selector_top_k)
+
+
+def check_overrides(overrides):
+    unknown = set(overrides) - set(DFlash2Config.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
 
 
 def default_target_layer_ids(num_target_layers, num_features=5):
@@ -605,7 +609,7 @@ def target_probs(logits, temperature, top_p=1.0, top_k=0):
     if top_p < 1.0:
         sorted_p, order = p.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
-        p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
+        p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)  # back to vocab order
         p = p / p.sum(-1, keepdim=True)
     return p
 
@@ -856,9 +860,7 @@ def load_checkpoint(path, dtype=torch.float32, **overrides):
         raise ValueError(f"{cfg_file} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
     if fields["block_size"] is None:
         raise ValueError(f"{cfg_file} lacks block_size (top level or in dflash_config)")
-    unknown = set(overrides) - set(DFlash2Config.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
+    check_overrides(overrides)
     drafter = DFlash2Drafter(DFlash2Config(**{**fields, **overrides}))
 
     try:
