@@ -194,9 +194,10 @@ def spec_eval(drafter, target, prompts, args, temperature, stop_id):
 
 def ablation(args):
     import train as T  # the same training code path as `python train.py`
+    import tiny_world as W
     base = ["--cache-dir", args.cache_dir, "--export-dtype", "float32", "--eval-prompts", "2"]
     if args.quick:  # a barely trained target and the first 64 conversations: checks the plumbing, not the numbers
-        T.tiny_world(args.cache_dir, 20)
+        W.tiny_world(args.cache_dir, 20)
         quick_data = os.path.join(args.out_dir, "quick-conversations.jsonl")
         with open(os.path.join(args.cache_dir, "stdlib-conversations.jsonl")) as src, open(quick_data, "w") as dst:
             dst.writelines(line for _, line in zip(range(64), src))
@@ -216,7 +217,7 @@ def ablation(args):
 
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
     targs = T.parse_args(base)
-    target_path, data_path = T.tiny_world(args.cache_dir, targs.tiny_pretrain_steps)  # cached by the runs above
+    target_path, data_path = W.tiny_world(args.cache_dir, targs.tiny_pretrain_steps)  # cached by the runs above
     data_path = targs.data or data_path
     tokenizer = T.transformers.AutoTokenizer.from_pretrained(target_path)
     target = T.transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()

@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+import tiny_world as W
 import train as T
 from dflash2 import DFlash2Config, DFlash2Drafter
 
@@ -37,8 +38,8 @@ def write_jsonl(path, rows):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    convs = T.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
-    return {"root": root, "target": tiny_target(root / "target", T.build_tiny_tokenizer()),
+    convs = W.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
+    return {"root": root, "target": tiny_target(root / "target", W.build_tiny_tokenizer()),
             "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
@@ -66,8 +67,8 @@ def test_smoke_run_writes_loadable_checkpoint(world, tmp_path, capsys):
 @pytest.mark.parametrize("generation_tag", [True, False])
 @pytest.mark.parametrize("shape", ["messages", "conversations"])
 def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
-    template = T.CHATML if generation_tag else re.sub(r"{% (end)?generation %}", "", T.CHATML)
-    tokenizer = T.build_tiny_tokenizer(template)
+    template = W.CHATML if generation_tag else re.sub(r"{% (end)?generation %}", "", W.CHATML)
+    tokenizer = W.build_tiny_tokenizer(template)
     msgs = CONVERSATION if shape == "messages" else [
         {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
     rows = T.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512, str(tmp_path))
@@ -161,7 +162,7 @@ def test_bad_input_fails_before_writing(world, tmp_path, case):
 
 
 def test_offline_world_builds_a_loadable_target(tmp_path):
-    target, data = T.tiny_world(tmp_path, pretrain_steps=1, log=lambda *a: None)
+    target, data = W.tiny_world(tmp_path, pretrain_steps=1, log=lambda *a: None)
     model = AutoModelForCausalLM.from_pretrained(target)
     assert model.config.model_type == "qwen3" and model.config.vocab_size == 260, model.config
     first = json.loads(open(data).readline())["messages"]
