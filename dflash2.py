@@ -5,8 +5,8 @@ selector — plus its training objective, lossless speculative decoding and the 
 format that vLLM, SGLang and the z-lab `dflash` package load.
 
 References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
-Aug 2026); the z-lab `dflash` package (inference reference). SPEC.md in this repository
-pins every formula down; section numbers below (§n) point into it.
+Aug 2026); the z-lab `dflash` package (inference reference). ALGORITHM.md in this
+repository pins every formula down; section numbers below (§n) point into it.
 
 How a DFlash2 drafter works. Given the last verified token (the anchor) at position a, the
 drafter reads the block [anchor, MASK, ..., MASK] (B tokens at positions a..a+B-1) and in
@@ -23,17 +23,22 @@ Notable departures from a textbook decoder:
   - the local convolution's taps never cross a block start;
   - proposals come from a walk over the top-K candidates of each slot, scored with the
     predecessor the walk actually chose, and verification uses that walk's q.
-Not implemented: logit soft-capping / output multipliers (Qwen3 has none), RoPE scaling
-other than the default, pruned draft vocabularies (DFlash2 needs the full vocabulary).
+Not implemented, and refused when a checkpoint asks for it (§7): logit soft-capping,
+output multipliers, embedding scales, sliding-window layers, RoPE scaling other than the
+default, pruned draft vocabularies (DFlash2 needs the full vocabulary).
 
-Notation (shape comments): b batch, B block size, H hidden, V vocab, K candidates,
-R selector rank, S sequence length, N anchors per sequence, Kc conv taps, G conv group.
+Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context
+length, N blocks per row (1 at inference), B block size, H hidden, V vocab, K candidates,
+R selector rank, Kc conv taps, G channels per conv group, nh/nkv query/key-value heads,
+hd head dim, nf target feature layers, M blocks walked at once, T temperature (only).
 """
 import json
+import math
 import os
 import shutil
 import tempfile
 import time
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -72,6 +77,8 @@ class DFlash2Config:
                      "vocab_size", "num_target_layers", "num_layers"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
+        if self.rope_theta <= 0 or self.rms_norm_eps < 0:
+            raise ValueError(f"rope_theta ({self.rope_theta}) must be > 0 and rms_norm_eps ({self.rms_norm_eps}) >= 0")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
@@ -85,6 +92,8 @@ class DFlash2Config:
         bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
         if bad:
             raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
+        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
+            raise ValueError(f"target_layer_ids {self.target_layer_ids} has duplicates: each layer is one feature")
         if self.conv_kernel_size:
             if not 1 <= self.conv_kernel_size <= self.block_size:
                 raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) must be in [1, block_size={self.block_size}], or 0 to disable")
@@ -150,6 +159,22 @@ def default_target_layer_ids(num_target_layers, num_features=5):
 def context_features(hidden_states, layer_ids):
     """cat(h_l for l in layer_ids); layer id l is HF hidden_states[l + 1] (index 0 = embeddings)."""
     return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, n*H)
+
+
+def check_target(c, target):
+    """A drafter only fits the target it was built for: same width, vocabulary and layer
+    count, and a mask token inside the embedding table. -> (embedding, lm_head), borrowed."""
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    found = {"num_target_layers": target.config.num_hidden_layers, "hidden_size": embed.weight.shape[1],
+             "vocab_size": lm_head.weight.shape[0]}
+    for name, value in found.items():
+        if getattr(c, name) != value:
+            raise ValueError(f"the drafter has {name} {getattr(c, name)} but the target has {value}: "
+                             "a drafter only fits the target it was trained for")
+    if not c.mask_token_id < embed.weight.shape[0]:
+        raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's embedding table "
+                         f"[0, {embed.weight.shape[0]})")
+    return embed, lm_head
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
@@ -294,12 +319,11 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
-        if c.conv_kernel_size:
-            self.attention_conv = LocalConv(c)
-            self.mlp_conv = LocalConv(c)
+        self.attention_conv = LocalConv(c) if c.conv_kernel_size else None  # None: plain DFlash layer
+        self.mlp_conv = LocalConv(c) if c.conv_kernel_size else None
 
     def forward(self, h, ctx, block_rope, ctx_rope, mask, cache, layer_idx):
-        conv = hasattr(self, "attention_conv")
+        conv = self.attention_conv is not None
         u = self.input_layernorm(h)
         if conv:
             u, delta = self.attention_conv.prepare(u)  # block Q/K/V come from u'; the context is not convolved
@@ -328,12 +352,13 @@ class CandidateSelector(nn.Module):
 
     def edge_scores(self, h, unary, prev, cand):
         """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32.
-        Scores stay in fp32: in bf16 about 1% of the argmaxes flip."""
-        P = self.hidden_projection(h).float()                  # (..., R)
-        A = self.predecessor_codebook[prev].float()            # (..., R)
-        Bc = self.successor_codebook[cand].float()             # (..., K, R)
-        pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
-        return unary.float().gather(-1, cand) + pairwise
+        Scores stay in fp32 even inside autocast: in bf16 about 1% of the argmaxes flip."""
+        with torch.autocast(h.device.type, enabled=False):
+            P = F.linear(h.float(), self.hidden_projection.weight.float())  # (..., R)
+            A = self.predecessor_codebook[prev].float()                     # (..., R)
+            Bc = self.successor_codebook[cand].float()                      # (..., K, R)
+            pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
+            return unary.float().gather(-1, cand) + pairwise
 
     def walk(self, h, unary, anchor, temperature=0.0, generator=None):
         """Walk the slots from the verified anchor, feeding each choice forward (§3).
@@ -363,24 +388,26 @@ class CandidateSelector(nn.Module):
 
 
 @torch.no_grad()
-def init_weights(m):
-    """N(0, 0.02) linears; RMSNorm weights 1. Module.apply visits children first, so the
-    rules for LocalConv and CandidateSelector below override their inner linears.
+def init_weights(drafter):
+    """Two passes, so the result does not depend on the order modules are visited in:
+    first every linear N(0, 0.02) and every RMSNorm weight 1, then the DFlash2 parts.
     Identity convolution (tap 0 = 1, other taps and the dynamic part 0): a fresh DFlash2
     layer computes exactly what the DFlash layer with the same weights computes.
     Successor codebook 0: a fresh selector's scores are the unary logits exactly, so a
     fresh DFlash2 drafter proposes what DFlash proposes (and DFlash warm-starts cleanly)."""
-    if isinstance(m, nn.Linear):
-        nn.init.normal_(m.weight, std=0.02)
-    elif isinstance(m, RMSNorm):
-        nn.init.ones_(m.weight)
-    elif isinstance(m, LocalConv):
-        m.base_kernel.zero_()
-        m.base_kernel[:, 0] = 1.0
-        nn.init.zeros_(m.kernel_projection.weight)
-    elif isinstance(m, CandidateSelector):
-        nn.init.normal_(m.predecessor_codebook, std=0.02)
-        nn.init.zeros_(m.successor_codebook)
+    for m in drafter.modules():
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+        elif isinstance(m, RMSNorm):
+            nn.init.ones_(m.weight)
+    for m in drafter.modules():
+        if isinstance(m, LocalConv):
+            m.base_kernel.zero_()
+            m.base_kernel[:, 0] = 1.0
+            m.kernel_projection.weight.zero_()
+        elif isinstance(m, CandidateSelector):
+            nn.init.normal_(m.predecessor_codebook, std=0.02)
+            m.successor_codebook.zero_()
 
 
 class DFlash2Drafter(nn.Module):
@@ -394,9 +421,8 @@ class DFlash2Drafter(nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        if c.selector_top_k:
-            self.candidate_selector = CandidateSelector(c)
-        self.apply(init_weights)
+        self.candidate_selector = CandidateSelector(c) if c.selector_top_k else None
+        init_weights(self)
 
     def forward(self, block_embeds, block_pos, ctx_features, ctx_pos, mask=None, cache=None):
         """block_embeds (b, T, H) target embeddings of the block tokens at positions
@@ -517,11 +543,15 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     slots whose label is among the top-K (the selector can never pick any other)."""
     if loss_type not in ("kl", "ce"):
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
+    if gamma is not None and not gamma > 0:
+        raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
+    if not alpha >= 0:
+        raise ValueError(f"alpha ({alpha}) must be >= 0")
     c = drafter.config
     B, (b, S) = c.block_size, input_ids.shape
     N = anchors.shape[1]
-    gamma = gamma or default_gamma(B)
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    gamma = default_gamma(B) if gamma is None else gamma
+    embed, lm_head = check_target(c, target)
 
     dtype = drafter.fc.weight.dtype
     ctx = context_features(hidden_states, c.target_layer_ids).to(dtype)
@@ -541,8 +571,8 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
     logq = F.log_softmax(unary, dim=-1)
     if loss_type == "kl":
-        logp = F.log_softmax(ref, dim=-1)
-        per_slot = (logp.exp() * (logp - logq)).sum(-1)
+        p = F.softmax(ref, dim=-1)  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
+        per_slot = (torch.special.xlogy(p, p) - p * logq).sum(-1)
     else:
         per_slot = -logq.gather(-1, label[..., None]).squeeze(-1)
     wc = w * counted
@@ -623,8 +653,9 @@ def verify_greedy(draft, logits):
 
 
 def acceptance_probability(p, q, token):
-    """Keep a draft token with probability min(1, p[token] / q[token])."""
-    return torch.clamp(p[token] / q[token], max=1.0)
+    """Keep a draft token with probability min(1, p[token] / q[token]). A token the target
+    gives p = 0 is never kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
+    return torch.where(p[token] > 0, torch.clamp(p[token] / q[token], max=1.0), 0.0)
 
 
 def residual_distribution(p, q):
@@ -666,14 +697,14 @@ class GenerationStats:
 def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
     if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens ({max_new_tokens}) must be >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature ({temperature}) must be >= 0")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+    if not temperature >= 0 or math.isinf(temperature):  # `not >=` also catches NaN
+        raise ValueError(f"temperature ({temperature}) must be a finite number >= 0")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
-    if top_k < 0:
-        raise ValueError(f"top_k ({top_k}) must be >= 0")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise ValueError(f"top_k ({top_k!r}) must be an integer >= 0")
 
 
 def _sample(logits, temperature, top_p, top_k, generator):
@@ -725,7 +756,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
     c, dev = drafter.config, input_ids.device
     B, P = c.block_size, input_ids.shape[1]
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    embed, lm_head = check_target(c, target)
     dtype = drafter.fc.weight.dtype
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
 
@@ -758,16 +789,47 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
         if n - n_acc:
             cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
         new_ctx = context_features(out.hidden_states, c.target_layer_ids)[:, :n_acc + 1]  # anchor + accepted
-        stats.acceptance_lengths.append(n_acc + 1)
-        for k in range(n_acc):
-            stats.accepted_per_slot[k] += 1
+        before = len(tokens)
         done = _emit(tokens, draft[:n_acc].tolist() + [bonus], stop_ids, max_new_tokens)
+        committed = len(tokens) - before  # fewer than n_acc + 1 when a stop token ends the cycle early
+        stats.acceptance_lengths.append(committed)
+        for k in range(min(n_acc, committed)):
+            stats.accepted_per_slot[k] += 1
     stats.decode_seconds, stats.new_tokens = _now(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats
 
 
 # -----------------------------------------------------------------------------
 # checkpoint I/O (§7): config.json + model.safetensors, as vLLM, SGLang and z-lab load
+
+
+def servable_parts(drafter):
+    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
+    switched off is exported with the other as the exact identity: a convolution with
+    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
+    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
+    -> (exported config, state dict)."""
+    c, state = drafter.config, drafter.state_dict()
+    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
+        return c, state
+    full = {}
+    if not c.conv_kernel_size:
+        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
+        identity = torch.zeros(2, taps, c.hidden_size)
+        identity[:, 0] = 1.0
+        for i in range(c.num_layers):
+            for part in ("attention_conv", "mlp_conv"):
+                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
+                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
+                                                                                   c.hidden_size)
+        full.update(conv_kernel_size=taps, conv_group_size=group)
+    if not c.selector_top_k:
+        R = c.selector_rank
+        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
+        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
+        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
+        full.update(selector_top_k=min(16, c.vocab_size))
+    return dataclasses.replace(c, **full), state
 
 
 def checkpoint_config(c):
@@ -806,14 +868,18 @@ def save_checkpoint(drafter, path, dtype=torch.bfloat16):
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
     path = os.path.abspath(path)
-    config = {**checkpoint_config(drafter.config), "torch_dtype": str(dtype).removeprefix("torch.")}
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    exported, state = servable_parts(drafter)
+    config = {**checkpoint_config(exported), "torch_dtype": str(dtype).removeprefix("torch.")}
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
     try:
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700: a server running as another user must read the export
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
         if os.path.exists(path):  # replace an older export: move it aside first, then swap
             old = tmp + "-old"
             os.rename(path, old)
@@ -824,6 +890,28 @@ def save_checkpoint(drafter, path, dtype=torch.bfloat16):
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def refuse_unsupported(raw, where):
+    """Fields that change what a drafter computes and that this file does not implement:
+    refuse them rather than load a drafter that silently computes something else."""
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    supported = {
+        "output_multiplier": raw.get("output_multiplier") in (None, 1, 1.0),
+        "final_logit_softcapping": raw.get("final_logit_softcapping") is None,
+        "input_embedding_scale": raw.get("input_embedding_scale") in (None, 1, 1.0),
+        "layer_types": all(t == "full_attention" for t in raw.get("layer_types") or []),
+        "use_sliding_window": not raw.get("use_sliding_window"),
+        "is_causal": not raw.get("is_causal"),  # attention inside a block is bidirectional
+        "rope_parameters": rope.get("rope_type", rope.get("type", "default")) == "default",
+        "hidden_act": raw.get("hidden_act", "silu") == "silu",
+        "attention_bias": not raw.get("attention_bias"),
+    }
+    for name, ok in supported.items():
+        if not ok:
+            value = rope if name == "rope_parameters" else raw[name]
+            raise ValueError(f"{where}: {name} = {value!r} is not supported by this implementation "
+                             "(only the plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
 
 
 def load_checkpoint(path, dtype=torch.float32, **overrides):
@@ -843,6 +931,7 @@ def load_checkpoint(path, dtype=torch.float32, **overrides):
     if arch not in ("DFlash2DraftModel", "DFlashDraftModel"):
         raise ValueError(f"{cfg_file}: architectures {raw.get('architectures')} is not a DFlash drafter "
                          "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
+    refuse_unsupported(raw, cfg_file)
     dflash = raw.get("dflash_config", {})
     try:
         fields = dict(

@@ -284,6 +284,9 @@ def leading_run(hits):
     ("selector_top_k", V + 1, rf"selector_top_k \({V + 1}\) must be in \[1, vocab_size={V}\]"),
     ("selector_top_k", -1, r"selector_top_k \(-1\) must be in"),
     ("selector_rank", 0, r"selector_rank \(0\) must be >= 1"),
+    ("rope_theta", 0.0, r"rope_theta \(0.0\) must be > 0"),
+    ("rms_norm_eps", -1e-6, r"rms_norm_eps \(-1e-06\) >= 0"),
+    ("target_layer_ids", [1, 1], r"target_layer_ids \[1, 1\] has duplicates"),
 ])
 def test_config_rejects_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -325,8 +328,15 @@ def test_default_target_layer_ids():
 def test_bad_arguments_of_the_training_functions(target, batch):
     with pytest.raises(ValueError, match=r"max_anchors \(0\) must be >= 1"):
         sample_anchors(batch["loss_mask"], 0)
-    with pytest.raises(ValueError, match=r"loss_type \('mse'\) must be 'kl' or 'ce'"):
-        dflash2_loss(make_drafter(), target, **batch, anchors=ANCHORS, anchor_valid=VALID, loss_type="mse")
+    loss = lambda drafter=None, **kw: dflash2_loss(drafter or make_drafter(), target, **batch, anchors=ANCHORS,
+                                                   anchor_valid=VALID, **kw)
+    for kw, message in ((dict(loss_type="mse"), r"loss_type \('mse'\) must be 'kl' or 'ce'"),
+                        (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
+                        (dict(alpha=-1.0), r"alpha \(-1.0\) must be >= 0")):
+        with pytest.raises(ValueError, match=message):
+            loss(**kw)
+    with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
+        loss(DFlash2Drafter(make_config(num_target_layers=6)).double())
 
 
 # -----------------------------------------------------------------------------
@@ -676,6 +686,20 @@ def test_edge_scores_equal_loop():
                     f"S at ({m}, {j}, {k}) is {got[m, j, k].item()}, loop gives {want}"
 
 
+def test_edge_scores_stay_fp32_under_autocast():
+    """The `.float()` casts alone do not stop autocast from running the einsum in bf16."""
+    sel, h, unary, anchor = selector_inputs()
+    sel, h, unary = sel.float(), h.float(), unary.float()
+    prev = anchor[:, None].expand(-1, B - 1)
+    cand = unary.topk(5, dim=-1).indices
+    with torch.no_grad():
+        plain = sel.edge_scores(h, unary, prev, cand)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            autocast = sel.edge_scores(h, unary, prev, cand)
+    assert autocast.dtype == torch.float32 and torch.equal(autocast, plain), (
+        f"under autocast: {autocast.dtype}, max |diff| {(autocast.float() - plain).abs().max():.3g}")
+
+
 def test_greedy_walk_feeds_its_choice_forward():
     sel, h, unary, anchor = selector_inputs()
     with torch.no_grad():
@@ -749,6 +773,23 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
             f"{loss_type}: selector_loss {stats['selector_loss']} != loop {sel_ref}"
         total = unary_ref + alpha * sel_ref
         assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{loss_type}: loss {loss.item()} != loop {total}"
+
+
+def test_kl_with_minus_infinite_target_logits_is_finite(target, batch):
+    """Masked target logits (-inf) give p = 0; those terms are 0, not 0·(-inf) = NaN.
+    Reference: the loop over the vocabulary that skips p = 0."""
+    drafter = make_drafter(randomize=True)
+    masked = batch["target_logits"].clone()
+    masked[..., ::3] = float("-inf")
+    masked[..., 1] = 0.0  # every position keeps at least one finite logit
+    loss, stats, h, unary = loss_and_logits(drafter, target, {**batch, "target_logits": masked}, loss_type="kl", gamma=3.0)
+    num = den = 0.0
+    for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
+        p, logq = F.softmax(masked[n, t - 1], -1), F.log_softmax(unary[n, j, k - 1], -1)
+        term = sum(p[v].item() * (math.log(p[v].item()) - logq[v].item()) for v in range(V) if p[v] > 0)
+        num, den = num + math.exp(-(k - 1) / 3.0) * term, den + math.exp(-(k - 1) / 3.0)
+    assert math.isfinite(stats["unary_loss"]) and abs(stats["unary_loss"] - num / den) < 1e-6 * (1 + num / den), (
+        f"unary_loss {stats['unary_loss']} != loop {num / den}")
 
 
 def echo_forward(G, shift=0, noise=None):

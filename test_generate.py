@@ -19,7 +19,6 @@ import safetensors
 import safetensors.torch
 import torch
 import transformers
-from scipy.stats import chisquare
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, DraftCache, acceptance_probability, context_features,
                      residual_distribution, spec_generate, target_generate, target_probs, verify_sampled)
@@ -188,6 +187,34 @@ def test_greedy_stop_token_is_the_last_token(monkeypatch, target, drafter, greed
         assert out.tolist() == expected, f"{name} with stop token {continuation[k]}: {out.tolist()} != {expected}"
 
 
+def test_acceptance_length_counts_only_committed_tokens(monkeypatch, target, drafter, greedy_reference):
+    """Every draft right (B = 5: 5 tokens a cycle) and a stop token inside the second cycle:
+    that cycle commits the tokens up to the stop token, not the 5 it verified."""
+    prompt = PROMPTS[2]
+    continuation = greedy_reference[prompt][len(prompt):]
+    # token 0 comes from the prefill, cycle 1 commits tokens 1..5, cycle 2 verifies 6..10
+    k = next(i for i in range(7, 10) if continuation[i] not in continuation[:i])  # the first occurrence stops
+    force_drafts(monkeypatch, drafter, greedy_reference[prompt], [4])
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, stop_token_ids=[continuation[k]])
+    assert out.tolist() == continuation[:k + 1], f"{out.tolist()} != {continuation[:k + 1]}"
+    assert stats.acceptance_lengths == [5, k - 5], f"acceptance lengths {stats.acceptance_lengths} != [5, {k - 5}]"
+    per_slot = [1 + (slot < k - 5) for slot in range(4)]
+    assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+
+
+def test_drafter_for_another_target_is_refused(target, drafter):
+    for what, other in (("num_target_layers", tiny_target(vocab_size=32, num_layers=3, hidden_size=32, seed=0)),
+                        ("vocab_size", tiny_target(vocab_size=24, num_layers=2, hidden_size=32, seed=0)),
+                        ("hidden_size", tiny_target(vocab_size=32, num_layers=2, hidden_size=48, seed=0))):
+        with pytest.raises(ValueError, match=f"the drafter has {what} .* but the target has"):
+            spec_generate(drafter, other, torch.tensor([[1, 2]]), 4)
+    # a target whose lm_head has the drafter's vocabulary but whose embedding table is smaller than mask_token_id
+    small = tiny_target(vocab_size=32, num_layers=2, hidden_size=32, seed=0)
+    small.model.embed_tokens = torch.nn.Embedding(20, 32).double()
+    with pytest.raises(ValueError, match="mask_token_id 31 is outside the target's embedding table"):
+        spec_generate(drafter, small, torch.tensor([[1, 2]]), 4)
+
+
 # -----------------------------------------------------------------------------
 # the verifier's law, exactly: one cycle enumerated on a 5-token vocabulary
 
@@ -295,7 +322,22 @@ def chi_square_pvalue(counts, probs, what):
     if e > 0:
         obs, exp = obs + [c], exp + [e]
     assert len(obs) >= 2, f"{what}: {n} samples fill fewer than 2 bins"
-    return chisquare(obs, np.array(exp) * n / sum(exp)).pvalue
+    obs, exp = np.array(obs, dtype=float), np.array(exp) * n / sum(exp)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    # the chi-square tail with len(obs) - 1 degrees of freedom: Q(dof/2, stat/2)
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_a_token_the_target_never_emits_is_never_accepted():
+    """p[token] = q[token] = 0 made the ratio NaN, and `u >= NaN` is False: the token was kept."""
+    p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
+    q = torch.tensor([[0.0, 0.0, 1.0, 0.0]], dtype=torch.float64)
+    assert acceptance_probability(p[0], q[0], 0) == 0, "a token of target probability 0 may be accepted"
+    assert acceptance_probability(p[0], q[0], 2) == 0.5, "min(1, p/q) changed"
+    for seed in range(20):
+        n_acc, bonus = verify_sampled(torch.tensor([0]), q, p, torch.Generator().manual_seed(seed))
+        assert n_acc == 0 and p[0, bonus] > 0, f"seed {seed}: accepted {n_acc}, bonus {bonus} (p = {p[0].tolist()})"
 
 
 def test_verify_sampled_matches_enumerated_branches():
@@ -526,7 +568,11 @@ def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_referen
     (dict(input_ids=torch.tensor([1, 2])), "batch 1"),
     (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "batch 1"),
     (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(max_new_tokens=2.5), "max_new_tokens"),
     (dict(temperature=-0.1), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(temperature=float("inf")), "temperature"),
+    (dict(temperature=1.0, top_k=2.5), "top_k"),
     (dict(temperature=1.0, top_p=0.0), "top_p"),
     (dict(temperature=1.0, top_p=1.5), "top_p"),
     (dict(temperature=1.0, top_k=-1), "top_k")])
@@ -687,6 +733,58 @@ def test_checkpoint_bf16_by_default(tmp_path, target):
         assert torch.equal(loaded[k], v.bfloat16().float()), f"{k} is not the bf16 rounding of the saved tensor"
 
 
+@pytest.mark.parametrize("part_off", ["conv_kernel_size", "selector_top_k"])
+def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_path, target, part_off):
+    """Engines build both parts for DFlash2DraftModel: the missing one is exported as the
+    exact identity, so the reloaded full DFlash2 drafter drafts the same greedy tokens."""
+    drafter = checkpoint_drafter(target, **{part_off: 0})
+    drafter.save_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"], f"{part_off}=0 exported as {config['architectures']}"
+    assert config["dflash_config"]["conv_kernel_size"] > 0 and config["dflash_config"]["selector_top_k"] > 0, (
+        f"{part_off}=0 exported dflash_config {config['dflash_config']}")
+    assert_tensor_contract(tmp_path / "ckpt", dflash2=True)
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt")
+    inputs = draft_inputs(drafter, target)
+    (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(loaded, target, inputs, 0.0)
+    assert torch.equal(h1, h0), f"{part_off}=0: hidden states after reload differ by {(h1 - h0).abs().max():.3g}"
+    assert torch.equal(path1, path0), f"{part_off}=0: greedy drafts {path1.tolist()} != {path0.tolist()} before export"
+
+
+def test_export_is_readable_by_other_users(tmp_path, target):
+    old = os.umask(0o077)
+    try:
+        checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").iterdir()]}
+    assert modes == {"ckpt": "0o755", "config.json": "0o644", "model.safetensors": "0o644"}, f"modes {modes}"
+
+
+UNSUPPORTED = {"output_multiplier": 2.0, "final_logit_softcapping": 30.0, "input_embedding_scale": 4.0,
+               "layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "is_causal": True,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "hidden_act": "gelu",
+               "attention_bias": True}
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED)
+def test_checkpoint_fields_this_file_does_not_implement_are_refused(tmp_path, saved_checkpoint, field):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    edit_config(path, lambda c: c.update({field: UNSUPPORTED[field]}))
+    with pytest.raises(ValueError, match=f"{field} = .* is not supported"):
+        DFlash2Drafter.from_pretrained(path)
+
+
+def test_checkpoint_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
+             "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
+    edit_config(path, lambda c: c.update(plain))
+    DFlash2Drafter.from_pretrained(path)
+
+
 def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
     v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
     v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
@@ -698,9 +796,9 @@ def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
     assert_tensor_contract(tmp_path / "v1", dflash2=False)
 
     loaded = DFlash2Drafter.from_pretrained(tmp_path / "v1")
-    assert not loaded.config.is_dflash2 and not hasattr(loaded, "candidate_selector"), f"v1 loaded as {loaded.config}"
+    assert not loaded.config.is_dflash2 and loaded.candidate_selector is None, f"v1 loaded as {loaded.config}"
     warm = DFlash2Drafter.from_pretrained(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
-    assert warm.config.is_dflash2 and hasattr(warm.layers[0], "attention_conv"), f"warm start built {warm.config}"
+    assert warm.config.is_dflash2 and warm.layers[0].attention_conv is not None, f"warm start built {warm.config}"
     inputs = draft_inputs(v1, target)
     reference = drafts(v1, target, inputs, 0.0)
     assert_same_drafts(drafts(loaded, target, inputs, 0.0), reference, "v1 round trip")
