@@ -108,20 +108,33 @@ def loss_terms(drafter, target, batch, inputs, loss_type):
 
 
 def greedy_trace(drafter, target, prompt):
-    """spec_generate at T = 0, with every target call recorded by a forward hook."""
-    calls = []
+    """spec_generate at T = 0, with every target call recorded by a forward hook, and the
+    smallest tie margin of its decisions: lm_head outputs (the drafter's unary logits and
+    the target's logits) over their top K + 1, and the walk's edge scores over their top 2."""
+    calls, gaps = [], []
+    K, selector = drafter.config.selector_top_k, drafter.candidate_selector
 
-    def hook(module, args, kwargs, out):
+    def on_target(module, args, kwargs, out):
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
         calls.append((ids[0].clone(), out.logits[0].clone(),
                       dflash2.context_features(out.hidden_states, drafter.config.target_layer_ids)[0].clone()))
 
-    handle = target.register_forward_hook(hook, with_kwargs=True)
+    def scores(*args):
+        s = edge_scores(*args)
+        gaps.append(min_gap(s, 1))
+        return s
+
+    edge_scores = selector.edge_scores
+    handles = [target.register_forward_hook(on_target, with_kwargs=True),
+               target.get_output_embeddings().register_forward_hook(lambda m, a, out: gaps.append(min_gap(out, K)))]
+    selector.edge_scores = scores
     try:
         tokens, stats = dflash2.spec_generate(drafter, target, prompt, MAX_NEW_TOKENS, temperature=0.0)
     finally:
-        handle.remove()
-    return calls, tokens, stats
+        for handle in handles:
+            handle.remove()
+        del selector.edge_scores
+    return calls, tokens, stats, min(gaps)
 
 
 class Capture:
@@ -202,8 +215,17 @@ def min_gap(x, k):
 
 
 def compute():
-    """-> ({name: tensor}, {name: meaning}, target, drafter). Everything fp32/int64/bool."""
-    torch.set_num_threads(1)  # same reduction order on every run
+    """-> ({name: tensor}, {name: meaning}, {decision: tie margin}, target, drafter).
+    Everything fp32/int64/bool. One thread: the same reduction order on every run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _compute()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compute():
     target, drafter = build_models()
     c = drafter.config
     B, K, N = c.block_size, c.selector_top_k, len(ANCHORS[0])
@@ -288,7 +310,7 @@ def compute():
     drafter.zero_grad(set_to_none=True)
 
     prompt = torch.randint(0, MASK_ID, (1, PROMPT_LEN), generator=torch.Generator().manual_seed(SEED + 4))
-    calls, tokens, stats = greedy_trace(drafter, target, prompt)
+    calls, tokens, stats, margins["trace"] = greedy_trace(drafter, target, prompt)
     put("trace.prompt", prompt[0], "(P,) prompt of the greedy spec_generate trace")
     put("trace.max_new_tokens", torch.tensor(MAX_NEW_TOKENS), "() max_new_tokens of the trace")
     put("trace.call_lengths", torch.tensor([len(ids) for ids, _, _ in calls]),
