@@ -1,30 +1,219 @@
 """
 Chat data -> training rows for train.py (SPEC.md §6 Data, §9 Assistant masks, On-policy data).
 
-    conversations = read_conversations("chats.jsonl")        # list of [{"role", "content"}, ...]
-    conversations = regenerate_conversations(target, tokenizer, conversations)   # on-policy answers
-    rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)             # input_ids / loss_mask
+    conversations = read_conversations("chats.jsonl")       # [[{"role", "content"}, ...], ...]
+    conversations = regenerate_conversations(target, tokenizer, conversations)   # the target's own answers
+    rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)            # input_ids / loss_mask
 
-A conversation is a list of {"role": system | user | assistant | tool, "content": str}. Every
-bad input is a ValueError of one line naming the file, the line (jsonl, 1-based) or row
-(json array, parquet, hub; 0-based, as ds[i]) and the field, e.g.
-`chats.jsonl: line 3: messages[1].role: unknown role 'bot' (...)`.
+A conversation is a list of {"role": system | user | assistant | tool, "content": str}.
+Every bad input is a ValueError of one line that names the file, the line (jsonl, 1-based)
+or the row (json array, parquet, hub dataset; 0-based, as in ds[i]) and the field:
+
+    chats.jsonl: line 3: messages[1].role: unknown role 'bot' (expected system, user, ...)
+
+Loss tokens (`assistant_tokens`) are each assistant turn's content and its end-of-turn token,
+as the chat template really renders the whole conversation: from the template's own
+{% generation %} marks when it has them, else from turn-by-turn renders.
 """
 import json
+import re
 import time
+from collections import Counter
+from pathlib import Path
 
+import datasets
+import jinja2
 import torch
 
 # -----------------------------------------------------------------------------
-# rendering with the chat template
+# chat template options: --chat-template FILE, --chat-template-kwargs JSON
+
+
+def load_chat_template(path):
+    """The Jinja text of a --chat-template file, to assign to tokenizer.chat_template."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--chat-template {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    if not text.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    return text
+
+
+def parse_template_kwargs(text):
+    """--chat-template-kwargs JSON (e.g. '{"enable_thinking": false}') -> dict passed to the template.
+    Raises ValueError, so call it on the parsed string (argparse's type= would hide the message)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--chat-template-kwargs {text!r}: invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs {text!r}: expected a JSON object such as "
+                         f"'{{\"enable_thinking\": false}}', got {type(value).__name__}")
+    return value
+
+
+# -----------------------------------------------------------------------------
+# reading conversations: local .jsonl/.json/.parquet or a hub dataset -> checked conversations
+
+FORMATS = (".jsonl", ".json", ".parquet")
+ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
+         "human": "user", "gpt": "assistant", "model": "assistant"}  # OpenAI roles, then ShareGPT's `from`
+
+
+class BadRow(ValueError):
+    """An unusable row; `kind` is what a drop_bad summary counts."""
+
+    def __init__(self, message, kind):
+        super().__init__(message)
+        self.kind = kind
+
+
+def raw_rows(source, split):
+    """-> [(where, row)]: `where` names the file and line/row; `row` is the parsed value, or a
+    BadRow for a jsonl line that is not JSON (so that drop_bad can drop just that line)."""
+    path = Path(source)
+    if not path.exists() and path.suffix.lower() not in FORMATS:  # a hub dataset id
+        try:
+            ds = datasets.load_dataset(source, split=split)
+        except Exception as e:  # the hub's errors are many and long; the first line says what failed
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            raise ValueError(f"{source}: no such local file, and loading it as a hub dataset failed: "
+                             f"{type(e).__name__}: {first}") from None
+        return [(f"{source} [{split}]: row {i}", row) for i, row in enumerate(ds)]
+    if not path.is_file():
+        raise ValueError(f"{source}: no such file" if not path.exists() else f"{source}: not a file")
+    if path.suffix.lower() not in FORMATS:
+        raise ValueError(f"{source}: unsupported file type '{path.suffix}' (expected {', '.join(FORMATS)})")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{source}: empty file")
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet  # a dependency of datasets
+        try:
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
+            raise ValueError(f"{source}: not a readable parquet file ({e})") from None
+        return [(f"{source}: row {i}", row) for i, row in enumerate(rows)]
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):  # one array; else JSON lines
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: line {e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        return [(f"{source}: row {i}", row) for i, row in enumerate(rows)]
+    out = []
+    for n, line in enumerate(text.split("\n"), 1):  # not splitlines(): JSON strings may hold U+2028
+        if line.strip():
+            try:
+                out.append((f"{source}: line {n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                out.append((f"{source}: line {n}",
+                            BadRow(f"{source}: line {n}: invalid JSON ({e.msg} at column {e.colno})", "invalid JSON")))
+    if not out:
+        raise ValueError(f"{source}: empty file (only blank lines)")
+    return out
+
+
+def message_text(content, where, field):
+    """A message's content -> str; OpenAI list content keeps its text parts, joined by newlines."""
+    if isinstance(content, list):
+        for k, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise BadRow(f"{where}: {field}[{k}]: a {kind!r} part; only text parts "
+                             "({'type': 'text', 'text': ...}) are supported", "non-text content")
+        return "\n".join(part["text"] for part in content)
+    if not isinstance(content, str):
+        raise BadRow(f"{where}: {field}: expected a string or a list of text parts, got {type(content).__name__}",
+                     "bad content")
+    return content
+
+
+def conversation(row, where):
+    """One row -> [{"role", "content"}]: 'messages' or 'conversations', role/content or from/value."""
+    if not isinstance(row, dict):
+        raise BadRow(f"{where}: expected an object with 'messages', got {type(row).__name__}", "not an object")
+    key = next((k for k in ("messages", "conversations") if k in row), None)
+    if key is None:
+        raise BadRow(f"{where}: no 'messages' or 'conversations' field (fields: {', '.join(map(str, row)) or 'none'})",
+                     "missing messages")
+    if not isinstance(row[key], list):
+        raise BadRow(f"{where}: {key}: expected a list of messages, got {type(row[key]).__name__}", "missing messages")
+    out = []
+    for j, m in enumerate(row[key]):
+        field = f"{key}[{j}]"
+        if not isinstance(m, dict):
+            raise BadRow(f"{where}: {field}: expected an object with role/content (or from/value), got "
+                         f"{type(m).__name__}", "bad message")
+        role = m.get("role") or m.get("from")  # `or`: parquet/hub rows hold every struct key, absent ones as None
+        if role is None:
+            raise BadRow(f"{where}: {field}: no 'role' (or 'from')", "missing role")
+        if role not in ROLES:
+            raise BadRow(f"{where}: {field}.role: unknown role {role!r} (expected system, user, assistant or tool; "
+                         "ShareGPT's human, gpt or model)", "unknown role")
+        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if content is None:
+            raise BadRow(f"{where}: {field}.content: missing (a {ROLES[role]} message needs a 'content' or 'value')",
+                         "missing content")
+        out.append({"role": ROLES[role], "content": message_text(content, where, f"{field}.content")})
+    if not any(m["role"] == "assistant" for m in out):
+        raise BadRow(f"{where}: {key}: no assistant turn (roles: {', '.join(m['role'] for m in out) or 'none'})",
+                     "no assistant turn")
+    return out
+
+
+def read_conversations(source, split="train", drop_bad=False, log=print):
+    """Local .jsonl / .json (an array or JSON lines) / .parquet, or a hub dataset id (`split`) ->
+    list of conversations. Each row holds 'messages' or 'conversations': role/content (OpenAI) or
+    from/value (ShareGPT; human -> user, gpt/model -> assistant); list content keeps its text
+    parts. Every row needs an assistant turn. A bad row raises ValueError naming the file, the
+    line/row and the field; with drop_bad=True bad rows are dropped, counted and printed instead."""
+    return [c for _, c in located_conversations(source, split, drop_bad, log)]
+
+
+def located_conversations(source, split, drop_bad, log):
+    """read_conversations, each conversation with its `where` -> [(where, conversation)]."""
+    rows = raw_rows(source, split)
+    if not rows:
+        raise ValueError(f"{source}: no rows")
+    out, dropped, first = [], Counter(), None
+    for where, row in rows:
+        try:
+            if isinstance(row, BadRow):
+                raise row
+            out.append((where, conversation(row, where)))
+        except BadRow as e:
+            if not drop_bad:
+                raise
+            dropped[e.kind] += 1
+            first = first or e
+    if dropped:
+        log(f"{source}: dropped {sum(dropped.values())} of {len(rows)} rows: "
+            f"{', '.join(f'{n} {kind}' for kind, n in dropped.most_common())} (first: {first})")
+    if not out:
+        raise ValueError(f"{source}: none of its {len(rows)} rows is usable (first problem: {first})")
+    return out
+
+
+# -----------------------------------------------------------------------------
+# rendering with the chat template; assistant masks
 
 PROBE = "\x01assistant content probe\x01"  # a content no template transforms, found again in the render
+GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 def render(tokenizer, messages, template_kwargs, add_generation_prompt=False):
     """The chat template's text for `messages` (no tokenization)."""
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                          **template_kwargs)
+
+
+def common_prefix(a, b):
+    """Length of the longest common prefix of two strings."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def end_of_turn(tokenizer, template_kwargs):
@@ -42,6 +231,115 @@ def end_of_turn(tokenizer, template_kwargs):
     i = next((i for i, t in enumerate(enc["input_ids"]) if t in added), 0)
     start, end = enc["offset_mapping"][i]
     return tail[start:end], enc["input_ids"][i]
+
+
+def assistant_spans(tokenizer, messages, text, template_kwargs):
+    """-> [(start, end)]: character spans of `text`, the render of all `messages`, that are loss
+    text: each assistant turn from the end of its header to the end of its end-of-turn token.
+
+    The turn's header is the one the template writes in front of it: either its generation
+    prompt (a last turn) or the header of the same turn followed by a user turn (an earlier
+    one); Qwen3's differ: the generation prompt may hold an empty think block, earlier turns have
+    none. The turn starts where the render of the conversation before it stops matching `text`,
+    which is exact for templates that render earlier turns the same way whatever follows; for
+    the others (Qwen3 renders a trailing assistant turn with its reasoning, an earlier one
+    without) the header is searched from there, never before the previous turn's end."""
+    kw = template_kwargs
+    eot, _ = end_of_turn(tokenizer, kw)
+    spans, prev_end = [], 0
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(tokenizer, messages[:i], kw) if i else ""
+        probes = [render(tokenizer, messages[:i] + [{"role": "assistant", "content": PROBE},
+                                                     {"role": "user", "content": "?"}], kw)]
+        if i:  # a generation prompt for no messages at all breaks templates that read messages[0]
+            probes.append(render(tokenizer, messages[:i], kw, add_generation_prompt=True))
+        headers = {h for h in (p[common_prefix(before, p):].split(PROBE)[0] for p in probes) if h}
+        start = max(common_prefix(before, text), prev_end)
+        found = [(text.find(h, start), -len(h)) for h in headers if text.find(h, start) >= 0]
+        if not found:
+            raise ValueError(f"the chat template's header of assistant turn {i} ({', '.join(map(repr, headers))}) "
+                             f"is not in its render of the conversation from character {start} on")
+        at, minus_len = min(found)  # the first header, the longest at a tie
+        body = at - minus_len
+        # a content that quotes the end-of-turn text is skipped over when the template writes it verbatim
+        end = text.find(eot, body + len(m["content"]) if text.startswith(m["content"], body) else body)
+        if end < 0:
+            raise ValueError(f"assistant turn {i}: no end-of-turn {eot!r} after it in the chat template's render")
+        prev_end = end + len(eot)
+        spans.append((body, prev_end))
+    return spans
+
+
+def assistant_tokens(tokenizer, messages, template_kwargs=None):
+    """-> (input_ids, loss_mask) of a conversation rendered with the chat template; loss_mask is 1
+    on every assistant turn's content and its end-of-turn token, as the template renders the
+    whole conversation, and 0 on system/user/tool turns, the templates' headers, separators
+    and any turn after the last assistant one.
+
+    A template with {% generation %} marks gives the mask itself (what it marks is trained).
+    Otherwise the mask comes from turn-by-turn renders (`assistant_spans`), mapped to tokens by
+    the tokenizer's offsets: a token is trained when its first character lies in a span.
+
+    What is trained with Qwen3-style templates, which rewrite assistant turns:
+    - an assistant turn before the last user turn: its answer only, because the template drops
+      its reasoning (<think>...</think>) from the render;
+    - an assistant turn after the last user turn (the last answer, or a tool-calling loop):
+      the template's think block (`<think>\\nREASONING\\n</think>\\n\\n`, empty when the content
+      has none) and the answer. With {"enable_thinking": false} the generation prompt already
+      holds the empty think block, so the last turn's empty think block is prompt, not loss."""
+    template_kwargs = template_kwargs or {}
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **template_kwargs)
+        return out["input_ids"], out["assistant_masks"]
+    text = render(tokenizer, messages, template_kwargs)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans = assistant_spans(tokenizer, messages, text, template_kwargs)
+    return enc["input_ids"], [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+
+
+# -----------------------------------------------------------------------------
+# training rows
+
+
+def load_rows(data, split, tokenizer, seq_len, *, template_kwargs=None, drop_bad=False, log=print):
+    """`data` (see read_conversations) -> datasets.Dataset of input_ids / loss_mask (torch
+    format), rows cut to seq_len tokens. A conversation the chat template rejects (some raise on
+    roles that do not alternate) is a ValueError naming its row, or a counted drop with drop_bad.
+    A row with fewer than 2 loss tokens left teaches nothing (a loss token is predicted from the
+    one before it): such rows are dropped, counted and printed with the reason."""
+    if not tokenizer.chat_template:
+        raise ValueError("the tokenizer has no chat template: pass --chat-template FILE (a Jinja template)")
+    rows = located_conversations(data, split, drop_bad, log)
+    ids, masks, rejected, beyond, empty, t_log = [], [], [], 0, 0, time.time()
+    for n, (where, c) in enumerate(rows, 1):
+        try:
+            row_ids, mask = assistant_tokens(tokenizer, c, template_kwargs)
+        except (ValueError, jinja2.TemplateError) as e:
+            if not drop_bad:
+                raise ValueError(f"{where}: chat template: {e}") from None
+            rejected.append(f"{where}: {e}")
+            continue
+        if sum(mask[:seq_len]) >= 2:
+            ids.append(row_ids[:seq_len])
+            masks.append(mask[:seq_len])
+        elif sum(mask) >= 2:
+            beyond += 1
+        else:
+            empty += 1
+        if time.time() - t_log > 10:
+            log(f"tokenized {n}/{len(rows)} conversations")
+            t_log = time.time()
+    if rejected:
+        log(f"{data}: dropped {len(rejected)} of {len(rows)} rows the chat template rejects (first: {rejected[0]})")
+    if beyond or empty:
+        log(f"{data}: dropped {beyond + empty} of {len(rows)} rows with fewer than 2 loss tokens: {beyond} with "
+            f"their assistant tokens beyond --seq-len {seq_len}, {empty} with empty assistant turns")
+    if not ids:
+        raise ValueError(f"{data}: no row has 2 or more assistant tokens (loss tokens) in its first {seq_len} tokens")
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).with_format("torch")
 
 
 # -----------------------------------------------------------------------------
@@ -118,3 +416,56 @@ def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.
             if progress:
                 progress(done, total)
     return out
+
+
+def written_rows(out_path, conversations, log):
+    """How many conversations a killed regenerate_file already wrote to out_path. A torn last line
+    (the kill came mid-write) is cut off; a line whose non-assistant turns differ from the input's
+    means out_path belongs to other data, and is an error rather than a silent mix."""
+    path = Path(out_path)
+    if not path.exists():
+        return 0
+    raw = path.read_bytes()
+    whole = raw[:raw.rfind(b"\n") + 1]
+    if len(whole) < len(raw):
+        with open(path, "r+b") as f:
+            f.truncate(len(whole))
+        log(f"{out_path}: cut a torn last line ({len(raw) - len(whole)} bytes) left by a killed run")
+    lines = whole.decode("utf-8").split("\n")[:-1]
+    if len(lines) > len(conversations):
+        raise ValueError(f"{out_path}: {len(lines)} rows already, more than the {len(conversations)} of the input; "
+                         "written from other data? delete it to start over")
+    prompts = lambda c: [(m["role"], m["content"] if m["role"] != "assistant" else None) for m in c]
+    for n, (line, c) in enumerate(zip(lines, conversations), 1):
+        try:
+            written = json.loads(line)["messages"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{out_path}: line {n}: not a row this command wrote ({line[:60]!r}); delete the file "
+                             "to start over") from None
+        if prompts(written) != prompts(c):
+            raise ValueError(f"{out_path}: line {n}: its non-assistant turns differ from the input's conversation "
+                             f"{n}: written from other data? delete it to start over")
+    return len(lines)
+
+
+def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_new_tokens, batch_size, template_kwargs,
+                    log):
+    """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
+    {"messages": [...]} rows in the input's order. Rows are appended batch by batch, so a killed
+    run started again with the same arguments resumes after the last complete row."""
+    conversations = read_conversations(in_path, log=log)
+    start = written_rows(out_path, conversations, log)
+    if start:
+        log(f"{out_path}: {start} of {len(conversations)} conversations already regenerated, resuming")
+    t0 = time.time()
+    with open(out_path, "a", encoding="utf-8") as f:
+        for b in range(start, len(conversations), batch_size):
+            chunk = regenerate_conversations(target, tokenizer, conversations[b:b + batch_size],
+                                             temperature=temperature, max_new_tokens=max_new_tokens,
+                                             batch_size=batch_size, template_kwargs=template_kwargs)
+            f.write("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in chunk))
+            f.flush()
+            done = b + len(chunk)
+            eta = (time.time() - t0) / (done - start) * (len(conversations) - done)
+            log(f"regenerate {done}/{len(conversations)} conversations | {time.time() - t0:.0f}s | "
+                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")

@@ -1,5 +1,9 @@
 """Tests of data.py: on-policy regeneration, reading chat files, assistant masks, training rows.
 Tiny random targets and byte-level tokenizers built on the spot; no downloads, CPU only."""
+import json
+import random
+import re
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -23,7 +27,10 @@ def target():
     model = Qwen3ForCausalLM(cfg).double().eval()
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= 3
-    return model, tokenizer
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs ~10x slower when its threads fight for a busy CPU
+    yield model, tokenizer
+    torch.set_num_threads(threads)
 
 
 def plain_greedy(model, tokenizer, messages, max_new_tokens):
@@ -82,3 +89,181 @@ def test_sampling_is_seeded_by_the_generator(target):
                                        generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
     assert runs[0] == runs[1], f"same seed, different samples:\n{runs[0]}\n{runs[1]}"
     assert runs[0] != runs[2], "seeds 1 and 2 gave identical samples"
+
+
+def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
+    model, tokenizer = target
+    chats = [c for c in CHATS if any(m["role"] == "assistant" for m in c)] * 2  # 8 conversations
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    opts = dict(temperature=0.0, max_new_tokens=6, batch_size=3, template_kwargs=None, log=lambda *a: None)
+    D.regenerate_file(model, tokenizer, str(src), str(tmp_path / "straight.jsonl"), **opts)
+    straight = (tmp_path / "straight.jsonl").read_text()
+    assert len(straight.splitlines()) == len(chats), f"{len(straight.splitlines())} rows written, want {len(chats)}"
+
+    real, calls = D.regenerate_conversations, []
+
+    def die_on_second_batch(*a, **k):
+        calls.append(len(a[2]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "killed.jsonl"
+    monkeypatch.setattr(D, "regenerate_conversations", die_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        D.regenerate_file(model, tokenizer, str(src), str(out), **opts)
+    with open(out, "a") as f:  # a kill in the middle of writing a line
+        f.write('{"messages": [{"role": "user", "con')
+    calls.clear()
+    logs = []
+    monkeypatch.setattr(D, "regenerate_conversations", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    D.regenerate_file(model, tokenizer, str(src), str(out), **{**opts, "log": logs.append})
+    assert calls == [3, 2], f"the resumed run regenerated batches of {calls}, expected the 5 unwritten rows as [3, 2]"
+    assert out.read_text() == straight, "resumed output differs from the uninterrupted run's"
+    assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
+
+
+def test_regenerate_file_refuses_output_of_other_data(target, tmp_path):
+    model, tokenizer = target
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"messages": CHATS[0]}) + "\n")
+    out.write_text(json.dumps({"messages": [{"role": "user", "content": "other"}, CHATS[0][1]]}) + "\n")
+    with pytest.raises(ValueError, match=r"out\.jsonl: line 1: its non-assistant turns differ"):
+        D.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=4, batch_size=2,
+                          template_kwargs=None, log=lambda *a: None)
+
+
+# -----------------------------------------------------------------------------
+# assistant masks: templates that reproduce the common families
+
+CHATML_PLAIN = re.sub(r"{% (end)?generation %}", "", W.CHATML)  # ChatML as most models ship it: no marks
+QWEN3_STYLE = (  # Qwen3's rules: reasoning dropped before the last user turn, a think block after it
+    "{%- set ns = namespace(last_query=-1) %}"
+    "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}"
+    "{%- set content = m.content %}{%- set reasoning = '' %}"
+    "{%- if '</think>' in content %}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}"
+    "{%- endif %}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}"
+    "{%- else %}{{- '<|im_start|>assistant\\n' + content }}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif m.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}")
+LLAMA3_STYLE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}"
+                "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
+                "{%- endfor %}"
+                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+TEMPLATES = {"chatml-generation-marks": W.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE}
+EOT = {"llama3": "<|eot_id|>"}
+
+
+def tokenizer_for(name):
+    tokenizer = W.build_tiny_tokenizer(TEMPLATES[name])
+    if name == "qwen3":  # added, not special, as in Qwen3's tokenizer
+        tokenizer.add_tokens(["<think>", "</think>"])
+    if name == "llama3":
+        tokenizer.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+                             special_tokens=True)
+    return tokenizer
+
+
+def loss_spans(tokenizer, messages, **kw):
+    """The loss tokens as text, one string per contiguous run."""
+    ids, mask = D.assistant_tokens(tokenizer, messages, kw or None)
+    assert len(ids) == len(mask), f"{len(ids)} ids but {len(mask)} mask entries"
+    runs, run = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            run.append(i)
+        elif run:
+            runs.append(tokenizer.decode(run))
+            run = []
+    return runs + ([tokenizer.decode(run)] if run else [])
+
+
+MULTI = [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"},
+         {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"},
+         {"role": "assistant", "content": "a2"}, {"role": "tool", "content": "t"},
+         {"role": "assistant", "content": "a3"}, {"role": "user", "content": "trailing user turn"}]
+
+
+@pytest.mark.parametrize("name", ["chatml-generation-marks", "chatml", "llama3"])
+def test_every_assistant_turn_and_nothing_else_is_trained(name):
+    eot = EOT.get(name, "<|im_end|>")
+    got = loss_spans(tokenizer_for(name), MULTI)
+    want = [f"a1{eot}", f"a2{eot}", f"a3{eot}"]
+    assert got == want, f"{name}: loss text {got}, expected each assistant turn + its end-of-turn token {want}"
+
+
+def test_qwen3_style_trains_the_text_the_template_renders():
+    tokenizer = tokenizer_for("qwen3")
+    chat = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "<think>\nr1\n</think>\n\na1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "<think>r2</think>a2"},
+            {"role": "tool", "content": "t"}, {"role": "assistant", "content": "a3"}]
+    got = loss_spans(tokenizer, chat)
+    # turn 1 is before the last user turn: its reasoning is not rendered, so not trained; turns 2 and 3
+    # follow it: turn 2 keeps its reasoning, turn 3 (last) gets an empty think block, both trained
+    want = ["a1<|im_end|>", "<think>\nr2\n</think>\n\na2<|im_end|>", "<think>\n\n</think>\n\na3<|im_end|>"]
+    assert got == want, f"loss text {got}, expected {want}"
+    no_think = loss_spans(tokenizer, chat[:2] + [{"role": "user", "content": "u2"},
+                                                 {"role": "assistant", "content": "a2"}], enable_thinking=False)
+    # enable_thinking=false: the generation prompt holds the empty think block, so it is prompt, not loss
+    assert no_think == ["a1<|im_end|>", "a2<|im_end|>"], f"loss text with enable_thinking=false: {no_think}"
+
+
+def random_conversation(rng, name):
+    """system?, then user/assistant exchanges with tool turns, maybe a trailing user turn;
+    contents mix words, whitespace at both ends, newlines and non-ASCII."""
+    words = ["def", "x", " ", "\n", "  ", "é", "日本", "<", ">", "|", "{", "}", "'", "\\", "think", "\t"]
+    text = lambda: "".join(rng.choice(words) for _ in range(rng.randrange(0, 12)))
+    chat = [{"role": "system", "content": text()}] if rng.random() < 0.5 else []
+    for _ in range(rng.randrange(1, 5)):
+        chat.append({"role": "user", "content": text()})
+        if rng.random() < 0.3:
+            chat += [{"role": "assistant", "content": text()}, {"role": "tool", "content": text()}]
+        reasoning = name == "qwen3" and rng.random() < 0.5
+        chat.append({"role": "assistant", "content": (f"<think>{text()}</think>" if reasoning else "") + text()})
+    return chat + ([{"role": "user", "content": text()}] if rng.random() < 0.3 else [])
+
+
+def rendered_answers(chat, name):
+    """What each family's template writes for each assistant turn, between header and end-of-turn."""
+    if name == "llama3":
+        return [m["content"].strip() for m in chat if m["role"] == "assistant"]
+    if name != "qwen3":
+        return [m["content"] for m in chat if m["role"] == "assistant"]
+    last_user = max(i for i, m in enumerate(chat) if m["role"] == "user")
+    out = []
+    for i, m in enumerate(chat):
+        if m["role"] == "assistant":
+            reasoning, answer = "", m["content"]
+            if "</think>" in answer:
+                reasoning = answer.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                answer = answer.split("</think>")[-1].lstrip("\n")
+            if i > last_user and (i == len(chat) - 1 or reasoning):
+                answer = "<think>\n" + reasoning.strip("\n") + "\n</think>\n\n" + answer.lstrip("\n")
+            out.append(answer)
+    return out
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_property_loss_tokens_decode_to_the_rendered_answers(name):
+    tokenizer, rng = tokenizer_for(name), random.Random(0)
+    eot = EOT.get(name, "<|im_end|>")
+    for trial in range(40):
+        chat = random_conversation(rng, name)
+        ids, mask = D.assistant_tokens(tokenizer, chat)
+        got = tokenizer.decode([i for i, m in zip(ids, mask) if m])
+        want = "".join(a + eot for a in rendered_answers(chat, name))
+        assert got == want, f"{name}, conversation {trial} {chat}:\nloss text {got!r}\nexpected  {want!r}"
