@@ -18,7 +18,6 @@ import json
 import os
 import shutil
 
-import numpy as np
 import torch
 from safetensors.numpy import load_file, save_file
 

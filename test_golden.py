@@ -74,7 +74,7 @@ def ported():
 
 
 def test_port_forward_matches_golden(committed, ported):
-    g, (cfg, W, embed, lm_head) = committed, ported
+    g, (cfg, W, embed, _) = committed, ported
     ids, pos = port.block_layout(g["batch.input_ids"], g["batch.anchors"], cfg["B"], cfg["mask_id"])
     mask = port.block_mask(g["batch.anchors"], g["batch.attention_mask"], cfg["B"])
     assert_close("fwd.block_ids", ids, g["fwd.block_ids"])
@@ -93,7 +93,7 @@ def test_port_forward_matches_golden(committed, ported):
 
 def test_port_walks_match_golden(committed, ported):
     """Walks on the golden hidden states, so a forward error cannot hide a walk error."""
-    g, (cfg, W, embed, lm_head) = committed, ported
+    g, (cfg, W, _, lm_head) = committed, ported
     M, n, K = g["walk.candidates"].shape
     h = g["fwd.hidden"].astype(port.DTYPE).reshape(M, n + 1, -1)[:, 1:]
     unary = h @ lm_head.T
