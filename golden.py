@@ -92,7 +92,8 @@ def training_batch():
 
 
 # -----------------------------------------------------------------------------
-# every call into dflash2 beyond the model classes sits here, so an API change is one edit
+# dflash2's free functions are called only here, so an API change is one edit; the rest of
+# this file uses the drafter's methods (forward, propose, edge_scores, save_pretrained)
 
 
 def block_inputs(drafter, target, batch):
