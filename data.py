@@ -82,7 +82,8 @@ def raw_rows(source, split):
                              f"{type(e).__name__}: {first}") from None
         return [(f"{source} [{split}]: row {i}", row) for i, row in enumerate(ds)]
     if not path.is_file():
-        raise ValueError(f"{source}: no such file" if not path.exists() else f"{source}: not a file")
+        raise ValueError(f"{source}: no such file" if not path.exists() else
+                         f"{source}: a directory; expected a {', '.join(FORMATS)} file or a hub dataset id")
     if path.suffix.lower() not in FORMATS:
         raise ValueError(f"{source}: unsupported file type '{path.suffix}' (expected {', '.join(FORMATS)})")
     if path.stat().st_size == 0:
@@ -153,7 +154,7 @@ def conversation(row, where):
                          "ShareGPT's human, gpt or model)", "unknown role")
         content = m.get("content") if m.get("content") is not None else m.get("value")
         if content is None:
-            raise BadRow(f"{where}: {field}.content: missing (a {ROLES[role]} message needs a 'content' or 'value')",
+            raise BadRow(f"{where}: {field}.content: missing (every message needs a 'content' or 'value')",
                          "missing content")
         out.append({"role": ROLES[role], "content": message_text(content, where, f"{field}.content")})
     if not any(m["role"] == "assistant" for m in out):
@@ -257,7 +258,7 @@ def assistant_spans(tokenizer, messages, text, template_kwargs):
             probes.append(render(tokenizer, messages[:i], kw, add_generation_prompt=True))
         headers = {h for h in (p[common_prefix(before, p):].split(PROBE)[0] for p in probes) if h}
         start = max(common_prefix(before, text), prev_end)
-        found = [(text.find(h, start), -len(h)) for h in headers if text.find(h, start) >= 0]
+        found = [(at, -len(h)) for h in headers for at in [text.find(h, start)] if at >= 0]
         if not found:
             raise ValueError(f"the chat template's header of assistant turn {i} ({', '.join(map(repr, headers))}) "
                              f"is not in its render of the conversation from character {start} on")
@@ -280,15 +281,17 @@ def assistant_tokens(tokenizer, messages, template_kwargs=None):
 
     A template with {% generation %} marks gives the mask itself (what it marks is trained).
     Otherwise the mask comes from turn-by-turn renders (`assistant_spans`), mapped to tokens by
-    the tokenizer's offsets: a token is trained when its first character lies in a span.
+    the tokenizer's offsets: a token is trained when it overlaps a span, as the {% generation %}
+    path does (a token that merges the header's last character with the content's first is trained).
 
     What is trained with Qwen3-style templates, which rewrite assistant turns:
     - an assistant turn before the last user turn: its answer only, because the template drops
       its reasoning (<think>...</think>) from the render;
-    - an assistant turn after the last user turn (the last answer, or a tool-calling loop):
-      the template's think block (`<think>\\nREASONING\\n</think>\\n\\n`, empty when the content
-      has none) and the answer. With {"enable_thinking": false} the generation prompt already
-      holds the empty think block, so the last turn's empty think block is prompt, not loss."""
+    - an assistant turn after the last user turn (the answer, or each step of a tool-calling
+      loop): the template's think block `<think>\\nREASONING\\n</think>\\n\\n` and the answer.
+      The last turn always gets one, empty when its content has no reasoning, and it is trained;
+      with {"enable_thinking": false} the generation prompt already holds that empty think
+      block, so then it is prompt, not loss."""
     template_kwargs = template_kwargs or {}
     if GENERATION_TAG.search(tokenizer.chat_template or ""):
         out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
@@ -297,7 +300,7 @@ def assistant_tokens(tokenizer, messages, template_kwargs=None):
     text = render(tokenizer, messages, template_kwargs)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     spans = assistant_spans(tokenizer, messages, text, template_kwargs)
-    return enc["input_ids"], [int(any(s <= a < e for s, e in spans)) for a, _ in enc["offset_mapping"]]
+    return enc["input_ids"], [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
 
 
 # -----------------------------------------------------------------------------

@@ -267,3 +267,158 @@ def test_property_loss_tokens_decode_to_the_rendered_answers(name):
         got = tokenizer.decode([i for i, m in zip(ids, mask) if m])
         want = "".join(a + eot for a in rendered_answers(chat, name))
         assert got == want, f"{name}, conversation {trial} {chat}:\nloss text {got!r}\nexpected  {want!r}"
+
+
+# -----------------------------------------------------------------------------
+# reading conversations: formats and bad input
+
+CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def test_reads_every_format_and_shape(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    sharegpt = {"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "hi"},
+                                  {"from": "gpt", "value": "hello"}, {"from": "model", "value": "again"}]}
+    openai_parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                              {"type": "text", "text": "b"}]},
+                                 {"role": "assistant", "content": "c"}, {"role": "tool", "content": "d"}]}
+    want = [CHAT, [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
+                   {"role": "assistant", "content": "hello"}, {"role": "assistant", "content": "again"}],
+            [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}, {"role": "tool", "content": "d"}]]
+    rows = [{"messages": CHAT}, sharegpt, openai_parts]
+    (tmp_path / "a.json").write_text(json.dumps(rows, indent=1))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}] * 2), tmp_path / "p.parquet")
+    for path, expected in ((write(tmp_path / "l.jsonl", rows + [""]), want), (str(tmp_path / "a.json"), want),
+                           (write(tmp_path / "l.json", rows), want), (str(tmp_path / "p.parquet"), [CHAT] * 2)):
+        got = D.read_conversations(path)
+        assert got == expected, f"{path}: read\n{got}\nexpected\n{expected}"
+
+
+BAD = {  # name: (file name, rows, the message must contain)
+    "empty file": ("e.jsonl", None, "e.jsonl: empty file"),
+    "blank lines only": ("b.jsonl", ["", "  "], "b.jsonl: empty file"),
+    "malformed line": ("m.jsonl", [{"messages": CHAT}, {"messages": CHAT}, '{"messages": [', {"messages": CHAT}],
+                       "m.jsonl: line 3: invalid JSON"),
+    "malformed array": ("a.json", '[{"messages": []},\n {"messages": ]}]', "a.json: line 2: invalid JSON"),
+    "csv": ("d.csv", ["messages", "hi"], "d.csv: unsupported file type '.csv'"),
+    "missing messages": ("n.jsonl", [{"messages": CHAT}, {"text": "hi", "id": 1}],
+                         "n.jsonl: line 2: no 'messages' or 'conversations' field (fields: text, id)"),
+    "messages not a list": ("s.jsonl", [{"messages": "hi"}], "s.jsonl: line 1: messages: expected a list"),
+    "not an object": ("o.jsonl", ["[1, 2]"], "o.jsonl: line 1: expected an object with 'messages', got list"),
+    "missing content": ("c.jsonl", [{"messages": [CHAT[0], {"role": "assistant"}]}],
+                        "c.jsonl: line 1: messages[1].content: missing"),
+    "missing role": ("r.jsonl", [{"messages": [{"content": "hi"}, CHAT[1]]}], "r.jsonl: line 1: messages[0]: no 'role'"),
+    "unknown role": ("u.jsonl", [{"messages": CHAT}, {"conversations": [{"from": "bot", "value": "x"}, CHAT[1]]}],
+                     "u.jsonl: line 2: conversations[0].role: unknown role 'bot'"),
+    "image part": ("i.jsonl", [{"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "see"}, {"type": "image_url", "image_url": {"url": "x.png"}}]}, CHAT[1]]}],
+                   "i.jsonl: line 1: messages[0].content[1]: a 'image_url' part"),
+    "content not text": ("t.jsonl", [{"messages": [{"role": "user", "content": 3}, CHAT[1]]}],
+                         "t.jsonl: line 1: messages[0].content: expected a string or a list of text parts, got int"),
+    "no assistant turn": ("q.jsonl", [{"messages": CHAT}, {"messages": CHAT[:1]}],
+                          "q.jsonl: line 2: messages: no assistant turn (roles: user)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, case):
+    name, rows, match = BAD[case]
+    path = tmp_path / name
+    if rows is None:
+        path.write_text("")
+    elif isinstance(rows, str):
+        path.write_text(rows)
+    else:
+        write(path, rows)
+    with pytest.raises(ValueError) as e:
+        D.read_conversations(str(path))
+    msg = str(e.value)
+    assert match in msg and "\n" not in msg, f"{case}: message {msg!r} should be one line containing {match!r}"
+
+
+def test_missing_file_and_parquet_row(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    with pytest.raises(ValueError, match=r"nope\.jsonl: no such file"):
+        D.read_conversations(str(tmp_path / "nope.jsonl"))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}, {"messages": CHAT[:1]}]),
+                                tmp_path / "p.parquet")
+    with pytest.raises(ValueError, match=r"p\.parquet: row 1: messages: no assistant turn"):
+        D.read_conversations(str(tmp_path / "p.parquet"))
+
+
+def test_drop_bad_counts_and_prints_what_it_drops(tmp_path):
+    rows = [{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}, CHAT[1]]}, '{"messages":',
+            {"messages": [CHAT[0], {"role": "assistant"}]}, {"messages": [{"role": "chatgpt", "content": "x"}]},
+            {"messages": CHAT}]
+    logs = []
+    got = D.read_conversations(write(tmp_path / "d.jsonl", rows), drop_bad=True, log=logs.append)
+    assert got == [CHAT, CHAT], f"kept {got}, expected the two good rows"
+    want = "d.jsonl: dropped 4 of 6 rows: 2 unknown role, 1 invalid JSON, 1 missing content (first: "
+    assert len(logs) == 1 and want in logs[0] and "line 2: messages[0].role: unknown role 'bot'" in logs[0], logs
+    with pytest.raises(ValueError, match=r"none of its 1 rows is usable \(first problem: .*line 1: messages"):
+        D.read_conversations(write(tmp_path / "x.jsonl", [{"messages": CHAT[:1]}]), drop_bad=True, log=logs.append)
+
+
+# -----------------------------------------------------------------------------
+# training rows and template options
+
+
+def test_load_rows_truncates_and_reports_useless_rows(tmp_path):
+    tokenizer, logs = tokenizer_for("chatml"), []
+    long_prompt = [{"role": "user", "content": "x" * 100}, {"role": "assistant", "content": "late"}]
+    empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    path = write(tmp_path / "r.jsonl", [{"messages": CHAT}, {"messages": long_prompt}, {"messages": empty},
+                                        {"messages": MULTI}])
+    rows = D.load_rows(path, "train", tokenizer, 40, log=logs.append)
+    assert len(rows) == 2 and rows.column_names == ["input_ids", "loss_mask"], rows
+    ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
+    assert isinstance(ids, torch.Tensor) and tokenizer.decode(ids[mask.bool()]) == "hello<|im_end|>", (ids, mask)
+    assert len(rows[1]["input_ids"]) == 40, f"a {len(rows[1]['input_ids'])}-token row survived seq_len 40"
+    want = "dropped 2 of 4 rows with fewer than 2 loss tokens: 1 with their assistant tokens beyond --seq-len 40, " \
+           "1 with empty assistant turns"
+    assert any(want in l for l in logs), logs
+
+
+def test_load_rows_names_the_row_a_template_rejects(tmp_path):
+    strict = "{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('no system role') }}{%- endif %}" \
+             + CHATML_PLAIN[len("{%- for m in messages %}"):]
+    tokenizer = W.build_tiny_tokenizer(strict)
+    path = write(tmp_path / "s.jsonl", [{"messages": CHAT}, {"messages": [{"role": "system", "content": "s"}] + CHAT}])
+    with pytest.raises(ValueError, match=r"s\.jsonl: line 2: chat template: no system role"):
+        D.load_rows(path, "train", tokenizer, 64)
+    logs = []
+    assert len(D.load_rows(path, "train", tokenizer, 64, drop_bad=True, log=logs.append)) == 1
+    assert any("dropped 1 of 2 rows the chat template rejects (first: " in l and "line 2" in l for l in logs), logs
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template: pass --chat-template"):
+        D.load_rows(path, "train", tokenizer, 64)
+
+
+def test_chat_template_file_and_kwargs(tmp_path):
+    (tmp_path / "t.jinja").write_text(CHATML_PLAIN)
+    assert D.load_chat_template(str(tmp_path / "t.jinja")) == CHATML_PLAIN
+    with pytest.raises(ValueError, match=r"--chat-template .*nope\.jinja: cannot read it"):
+        D.load_chat_template(str(tmp_path / "nope.jinja"))
+    (tmp_path / "e.jinja").write_text("\n")
+    with pytest.raises(ValueError, match=r"--chat-template .*e\.jinja: the file is empty"):
+        D.load_chat_template(str(tmp_path / "e.jinja"))
+    assert D.parse_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=r"--chat-template-kwargs '\{enable_thinking: false\}': invalid JSON"):
+        D.parse_template_kwargs("{enable_thinking: false}")
+    with pytest.raises(ValueError, match=r"--chat-template-kwargs '\[1\]': expected a JSON object .* got list"):
+        D.parse_template_kwargs("[1]")
+
+
+def test_hub_rows_are_named_by_split_and_index(monkeypatch):
+    import datasets
+    rows = datasets.Dataset.from_list([{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}, CHAT[1]]}])
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: rows)
+    with pytest.raises(ValueError, match=r"^org/chats \[test\]: row 1: messages\[0\]\.role: unknown role 'bot'"):
+        D.read_conversations("org/chats", "test")
