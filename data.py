@@ -393,6 +393,11 @@ def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.
 
     Turn k of a conversation needs its turn k-1, so the work goes round by round: each round
     answers the next pending turn of every conversation, in batches of prompts sorted by length."""
+    if not temperature >= 0:  # also refuses nan
+        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
+        if not (isinstance(value, int) and value > 0):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     template_kwargs = template_kwargs or {}
     eot_text, eot_id = end_of_turn(tokenizer, template_kwargs)
     eos = target.generation_config.eos_token_id

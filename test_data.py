@@ -53,7 +53,8 @@ CHATS = [
      {"role": "assistant", "content": "old 1"}, {"role": "user", "content": "and then?"},
      {"role": "assistant", "content": "old 2"}, {"role": "user", "content": "trailing"}],
     [{"role": "user", "content": "x"}, {"role": "assistant", "content": "old"}, {"role": "user", "content": "yy"},
-     {"role": "assistant", "content": "old"}, {"role": "user", "content": "zzz"}, {"role": "assistant", "content": "o"}],
+     {"role": "assistant", "content": "old"}, {"role": "user", "content": "zzz"},
+     {"role": "assistant", "content": "o"}],
     [{"role": "user", "content": "no answer here"}],
     [{"role": "user", "content": "medium length prompt"}, {"role": "assistant", "content": "old"}],
 ]
@@ -163,7 +164,8 @@ QWEN3_STYLE = (  # Qwen3's rules: reasoning dropped before the last user turn, a
 LLAMA3_STYLE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}"
                 "{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\\n\\n' + m.content | trim + '<|eot_id|>' }}"
                 "{%- endfor %}"
-                "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
+                "{%- if add_generation_prompt %}"
+                "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
 TEMPLATES = {"chatml-generation-marks": W.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE}
 EOT = {"llama3": "<|eot_id|>"}
 
@@ -290,7 +292,8 @@ def test_reads_every_format_and_shape(tmp_path):
                                  {"role": "assistant", "content": "c"}, {"role": "tool", "content": "d"}]}
     want = [CHAT, [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"},
                    {"role": "assistant", "content": "hello"}, {"role": "assistant", "content": "again"}],
-            [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"}, {"role": "tool", "content": "d"}]]
+            [{"role": "user", "content": "a\nb"}, {"role": "assistant", "content": "c"},
+             {"role": "tool", "content": "d"}]]
     rows = [{"messages": CHAT}, sharegpt, openai_parts]
     (tmp_path / "a.json").write_text(json.dumps(rows, indent=1))
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}] * 2), tmp_path / "p.parquet")
@@ -313,7 +316,8 @@ BAD = {  # name: (file name, rows, the message must contain)
     "not an object": ("o.jsonl", ["[1, 2]"], "o.jsonl: line 1: expected an object with 'messages', got list"),
     "missing content": ("c.jsonl", [{"messages": [CHAT[0], {"role": "assistant"}]}],
                         "c.jsonl: line 1: messages[1].content: missing"),
-    "missing role": ("r.jsonl", [{"messages": [{"content": "hi"}, CHAT[1]]}], "r.jsonl: line 1: messages[0]: no 'role'"),
+    "missing role": ("r.jsonl", [{"messages": [{"content": "hi"}, CHAT[1]]}],
+                     "r.jsonl: line 1: messages[0]: no 'role'"),
     "unknown role": ("u.jsonl", [{"messages": CHAT}, {"conversations": [{"from": "bot", "value": "x"}, CHAT[1]]}],
                      "u.jsonl: line 2: conversations[0].role: unknown role 'bot'"),
     "image part": ("i.jsonl", [{"messages": [{"role": "user", "content": [
@@ -422,3 +426,12 @@ def test_hub_rows_are_named_by_split_and_index(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda source, split: rows)
     with pytest.raises(ValueError, match=r"^org/chats \[test\]: row 1: messages\[0\]\.role: unknown role 'bot'"):
         D.read_conversations("org/chats", "test")
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"max_new_tokens": 0},
+                                 {"max_new_tokens": 2.5}, {"batch_size": 0}])
+def test_regenerate_refuses_bad_arguments(target, bad):
+    model, tokenizer = target
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=rf"^{name} must be .*, got {value!r}$"):
+        D.regenerate_conversations(model, tokenizer, CHATS, **bad)
