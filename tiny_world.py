@@ -1,8 +1,17 @@
 """
-The offline world of `python train.py` with no --target: a tokenizer, conversations and a
-small Qwen3 target pretrained from scratch, all built once from the running Python's own
-standard library and cached, so the drafter then trains through exactly the code path a
-real Hugging Face target folder takes.
+The offline world of `python train.py` with no --target, built once from the running
+Python's own standard library and cached, so the drafter then trains through exactly the
+code path a real Hugging Face target folder takes:
+
+1. conversations: "Continue this code:" + the first third of a chunk of stdlib source -> the rest;
+2. a BPE tokenizer trained on them (V = 4096, so K = 16 candidates are a small part of the
+   vocabulary, as in a real LLM) with the ChatML specials and a mask token;
+3. a small Qwen3 target pretrained on them from scratch, then checked on held-out prompts:
+   held-out loss, the share of greedy tokens inside runs of >= 4 identical tokens (a target
+   whose greedy output collapses into repeats makes every drafter look perfect at T = 0),
+   and one greedy continuation to read;
+4. on-policy data: every prompt answered again by the target itself, because the drafter's
+   job is to predict what the target says, not what the corpus says (SPEC §9).
 """
 import json
 import os
@@ -14,24 +23,44 @@ from pathlib import Path
 import torch
 import transformers
 
+from data import regenerate_conversations
+
 # ChatML; {% generation %} marks assistant tokens, so return_assistant_tokens_mask works
 CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
           "{{- '<|im_start|>assistant\\n' }}{% generation %}{{- m['content'] + '<|im_end|>' }}{% endgeneration %}"
           "{{- '\\n' }}{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-TINY_HELD_OUT = 256  # the last stdlib conversations: the tiny target never trains on them (keep --val-size below)
+SPECIALS = dict(pad_token="<|endoftext|>", eos_token="<|im_end|>", mask_token="<|mask|>",
+                additional_special_tokens=["<|im_start|>"])
+TINY_HELD_OUT = 256  # the last conversations: neither the tokenizer nor the target ever train on them
 
 
 def build_tiny_tokenizer(chat_template=CHATML):
-    """Every byte is a token (BPE with no merges), plus the ChatML specials and a mask token."""
+    """Every byte is a token (BPE with no merges), plus the ChatML specials and a mask token:
+    free to build, for tests that need a tokenizer and no corpus."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
     tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   mask_token="<|mask|>", additional_special_tokens=["<|im_start|>"],
-                                   chat_template=chat_template)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **SPECIALS)
+
+
+def train_bpe_tokenizer(texts, vocab_size=4096, chat_template=CHATML):
+    """Byte-level BPE learned from `texts` (seconds on the stdlib); the specials come first (ids 0-3)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    # a newline is a token of its own: the template's "assistant\n" then never merges with the
+    # answer's first indentation, so the assistant mask falls on token boundaries
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split("\n", "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    specials = [SPECIALS["pad_token"], *SPECIALS["additional_special_tokens"], SPECIALS["eos_token"],
+                SPECIALS["mask_token"]]
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials,
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                                       show_progress=False))
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **SPECIALS)
 
 
 def stdlib_conversations(chunk_chars=300, seed=0):
@@ -53,23 +82,32 @@ def stdlib_conversations(chunk_chars=300, seed=0):
     return [convs[i] for i in perm]
 
 
-def pretrain_tiny_target(tokenizer, conversations, steps, log=print, seq_len=512, batch_size=8, lr=3e-3, seed=0):
-    """Next-token pretraining of a 1.8M-parameter Qwen3 on the rendered conversations."""
+# -----------------------------------------------------------------------------
+# the target
+
+
+def token_stream(tokenizer, conversations):
+    """All conversations rendered with the chat template, end to end: (n,) ids."""
+    return torch.tensor([t for c in conversations
+                         for t in tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]])
+
+
+def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch_size=16, lr=3e-3, seed=0):
+    """Next-token pretraining of a 4M-parameter Qwen3 on random windows of the token stream
+    (packed: no padding, so every position of every step is a training token)."""
     torch.manual_seed(seed)
-    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=192, intermediate_size=576,
-                                      num_hidden_layers=4, num_attention_heads=3, num_key_value_heads=1, head_dim=64,
+    config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
                                       max_position_embeddings=4096, tie_word_embeddings=True, bos_token_id=None,
                                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
     model = transformers.Qwen3ForCausalLM(config)
-    render = lambda c: tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"][:seq_len]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     schedule = transformers.get_cosine_schedule_with_warmup(opt, max(1, steps // 20), steps)
     gen, t0 = torch.Generator().manual_seed(seed), time.time()
     for step in range(steps):
-        picks = torch.randint(len(conversations), (batch_size,), generator=gen).tolist()
-        batch = tokenizer.pad({"input_ids": [render(conversations[i]) for i in picks]}, return_tensors="pt")
-        ids, attn = batch["input_ids"], batch["attention_mask"]
-        loss = model(input_ids=ids, attention_mask=attn, labels=ids.masked_fill(attn == 0, -100)).loss
+        starts = torch.randint(len(stream) - seq_len, (batch_size,), generator=gen)
+        ids = stream[starts[:, None] + torch.arange(seq_len)]
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -80,26 +118,65 @@ def pretrain_tiny_target(tokenizer, conversations, steps, log=print, seq_len=512
     return model.eval()
 
 
-def tiny_world(cache_dir, pretrain_steps, log=print):
-    """Build once and cache: stdlib conversations (.jsonl) and the tiny target folder
-    (model + tokenizer via save_pretrained). -> (target path, data path)."""
-    cache = Path(cache_dir)
-    cache.mkdir(parents=True, exist_ok=True)
-    data, target = cache / "stdlib-conversations.jsonl", cache / f"tiny-qwen3-stdlib-{pretrain_steps}steps"
-    if not data.exists():
-        tmp = data.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text("".join(json.dumps({"messages": c}) + "\n" for c in stdlib_conversations()))
-        os.replace(tmp, data)
-    if not target.exists():
-        log(f"building the offline tiny target in {target} (first run only)")
-        convs = [json.loads(line)["messages"] for line in data.read_text().splitlines()]
-        tokenizer = build_tiny_tokenizer()
-        model = pretrain_tiny_target(tokenizer, convs[:-TINY_HELD_OUT], pretrain_steps, log)
-        tmp = cache / f"{target.name}.tmp{os.getpid()}"
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, target)
-        except OSError:  # another process built it first: keep theirs
-            shutil.rmtree(tmp)
+@torch.no_grad()
+def held_out_loss(model, stream, seq_len=256):
+    """Mean next-token cross-entropy (nats) over consecutive windows of a held-out stream."""
+    n = len(stream) // seq_len
+    windows = stream[:n * seq_len].view(n, seq_len)
+    return sum(model(input_ids=w, labels=w).loss.item() * len(w) for w in windows.split(16)) / n
+
+
+def repeat_share(ids, run=4):
+    """Share of the tokens that sit inside a run of >= `run` identical consecutive tokens."""
+    inside, i = 0, 0
+    while i < len(ids):
+        j = i
+        while j < len(ids) and ids[j] == ids[i]:
+            j += 1
+        inside += (j - i) * (j - i >= run)
+        i = j
+    return inside / max(1, len(ids))
+
+
+# -----------------------------------------------------------------------------
+# the world
+
+
+def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=2048, max_new_tokens=160):
+    """Build once and cache: the tiny target folder (model + tokenizer via save_pretrained)
+    and the on-policy conversations (.jsonl: the first `train_prompts` training prompts,
+    then the TINY_HELD_OUT held-out ones, each answered greedily by the target). The whole
+    world is written under a temporary name and renamed into place, so a racing process
+    either finds it complete or builds its own and drops it. -> (target path, data path)."""
+    world = Path(cache_dir) / f"stdlib-v2-{pretrain_steps}steps-{train_prompts}prompts"
+    target, data = world / "target", world / "conversations.jsonl"
+    if world.exists():
+        return str(target), str(data)
+    log(f"building the offline tiny world in {world} (first run only)")
+    t0, tmp = time.time(), Path(cache_dir) / f"{world.name}.tmp{os.getpid()}"
+    convs = stdlib_conversations(chunk_chars=600)
+    train, held = convs[:-TINY_HELD_OUT], convs[-TINY_HELD_OUT:]
+    tokenizer = train_bpe_tokenizer([m["content"] for c in train for m in c])
+    model = pretrain_tiny_target(tokenizer, token_stream(tokenizer, train), pretrain_steps, log)
+
+    convs = regenerate_conversations(model, tokenizer, train[:train_prompts] + held, max_new_tokens=max_new_tokens,
+                                     batch_size=128)
+    greedy = [tokenizer(c[1]["content"])["input_ids"] for c in convs[-TINY_HELD_OUT:]]
+    quality = {"held_out_loss": held_out_loss(model, token_stream(tokenizer, held)),
+               "greedy_repeat_share": sum(repeat_share(g) * len(g) for g in greedy) / max(1, sum(map(len, greedy))),
+               "greedy_sample": convs[-TINY_HELD_OUT], "build_seconds": time.time() - t0}
+    log(f"tiny target: held-out loss {quality['held_out_loss']:.3f} | greedy tokens inside runs of >= 4 identical "
+        f"tokens {100 * quality['greedy_repeat_share']:.1f}% (held-out prompts) | built in {quality['build_seconds']:.0f}s")
+    log(f"tiny target greedy sample:\n{convs[-TINY_HELD_OUT][0]['content']}\n>>>>>>>> the target continues:\n"
+        f"{convs[-TINY_HELD_OUT][1]['content']}")
+
+    tmp.mkdir(parents=True)
+    model.save_pretrained(tmp / "target")
+    tokenizer.save_pretrained(tmp / "target")
+    (tmp / "conversations.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    (tmp / "quality.json").write_text(json.dumps(quality, indent=1))
+    try:
+        os.replace(tmp, world)
+    except OSError:  # another process built it first: keep theirs
+        shutil.rmtree(tmp)
     return str(target), str(data)

@@ -1,0 +1,82 @@
+"""Tests of the offline tiny world: tokenizer, quality measure, the cached on-policy build."""
+import json
+import random
+
+import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import tiny_world as W
+from dflash2 import target_generate
+
+
+@pytest.fixture(scope="module")
+def bpe():
+    convs = W.stdlib_conversations(chunk_chars=600)
+    return W.train_bpe_tokenizer([m["content"] for c in convs[:1500] for m in c], vocab_size=1024), convs[-20:]
+
+
+def test_bpe_tokenizer_round_trips_and_compresses(bpe):
+    tok, held = bpe
+    text = "".join(m["content"] for c in held for m in c)
+    ids = tok(text)["input_ids"]
+    assert tok.decode(ids) == text, "held-out text does not survive encode/decode"
+    assert len(text) / len(ids) > 2.5, f"{len(text) / len(ids):.2f} characters per token: BPE learned few merges"
+    assert len(tok) == 1024, len(tok)
+    specials = [tok.pad_token_id, tok.eos_token_id, tok.mask_token_id, tok.convert_tokens_to_ids("<|im_start|>")]
+    assert sorted(specials) == [0, 1, 2, 3], f"specials at {specials}, expected ids 0-3"
+    rendered = tok.apply_chat_template(held[0], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    answer = [t for t, m in zip(rendered["input_ids"], rendered["assistant_masks"]) if m]
+    assert tok.decode(answer) == held[0][1]["content"] + "<|im_end|>", "assistant mask does not cover the answer"
+
+
+def brute_force_repeat_share(ids, run):
+    """Position i is inside a run iff some window of `run` identical tokens covers it."""
+    inside = [any(i - run < j <= i and j + run <= len(ids) and len(set(ids[j:j + run])) == 1 for j in range(len(ids)))
+              for i in range(len(ids))]
+    return sum(inside) / max(1, len(ids))
+
+
+def test_repeat_share_matches_brute_force():
+    assert W.repeat_share([5, 5, 5, 5, 1, 2, 2, 2, 7, 7, 7, 7, 7]) == 9 / 13
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = [rng.choice([0, 1]) if rng.random() < 0.7 else rng.randrange(5) for _ in range(rng.randrange(1, 30))]
+        assert W.repeat_share(ids) == pytest.approx(brute_force_repeat_share(ids, 4)), ids
+
+
+def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
+    logs = []
+    target, data = W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
+    model, tok = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
+    assert model.config.vocab_size == len(tok) == 4096, (model.config.vocab_size, len(tok))
+    assert tok.mask_token_id is not None and tok.chat_template == W.CHATML
+    rows = [json.loads(line)["messages"] for line in open(data)]
+    assert len(rows) == 4 + W.TINY_HELD_OUT, len(rows)
+    assert all([m["role"] for m in r] == ["user", "assistant"] for r in rows), rows[0]
+    # on-policy: the answer is the target's greedy continuation, not the corpus' text
+    prompt = tok.apply_chat_template(rows[0][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    greedy = target_generate(model, prompt["input_ids"], 3, stop_token_ids=[tok.eos_token_id])[0].tolist()
+    assert rows[0][1]["content"] == tok.decode([t for t in greedy if t != tok.eos_token_id]), rows[0][1]
+    quality = json.loads((tmp_path / "stdlib-v2-1steps-4prompts" / "quality.json").read_text())
+    assert quality["held_out_loss"] > 0 and 0 <= quality["greedy_repeat_share"] <= 1, quality
+    assert any("held-out loss" in line for line in logs), logs
+    logs.clear()
+    assert W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3) == (target, data)
+    assert logs == [], f"the cached world was rebuilt: {logs}"
+    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-4prompts"], "a temporary folder was left behind"
+
+
+def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch):
+    """Another process finishes while this one builds: its world stays, ours is dropped."""
+    world = tmp_path / "stdlib-v2-1steps-2prompts"
+    real, convs = W.regenerate_conversations, W.stdlib_conversations(chunk_chars=600)[:W.TINY_HELD_OUT + 20]
+
+    def finish_elsewhere(*a, **k):
+        (world / "target").mkdir(parents=True)
+        (world / "marker").write_text("theirs")
+        return real(*a, **k)
+    monkeypatch.setattr(W, "regenerate_conversations", finish_elsewhere)
+    monkeypatch.setattr(W, "stdlib_conversations", lambda **k: convs)  # a smaller corpus: the race is the point
+    target, _ = W.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=1)
+    assert target == str(world / "target") and (world / "marker").read_text() == "theirs"
+    assert [p.name for p in tmp_path.iterdir()] == [world.name], "a temporary folder was left behind"
