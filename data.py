@@ -238,13 +238,16 @@ def assistant_spans(tokenizer, messages, text, template_kwargs):
     """-> [(start, end)]: character spans of `text`, the render of all `messages`, that are loss
     text: each assistant turn from the end of its header to the end of its end-of-turn token.
 
-    The turn's header is the one the template writes in front of it: either its generation
-    prompt (a last turn) or the header of the same turn followed by a user turn (an earlier
-    one); Qwen3's differ: the generation prompt may hold an empty think block, earlier turns have
-    none. The turn starts where the render of the conversation before it stops matching `text`,
-    which is exact for templates that render earlier turns the same way whatever follows; for
-    the others (Qwen3 renders a trailing assistant turn with its reasoning, an earlier one
-    without) the header is searched from there, never before the previous turn's end."""
+    A turn's header is found with two probe renders of the conversation before it (`before`):
+    plus the generation prompt (the header of a last turn; Qwen3's may hold an empty think
+    block) and plus an assistant turn followed by a user turn (the header of an earlier turn).
+    A header is the probe's text from where it leaves `before`, so with templates that move the
+    system prompt into the last user turn (Mistral's) it starts inside that user turn. It is
+    searched in `text` from where the probe, or `text` if earlier, leaves `before`, never before
+    the previous turn's end; the first header found wins, the longest at a tie. For templates
+    that render a turn the same whatever follows, that is exactly where `before` ends; the search
+    follows the others (Qwen3 renders a trailing assistant turn with its reasoning, an earlier
+    one without)."""
     kw = template_kwargs
     eot, _ = end_of_turn(tokenizer, kw)
     spans, prev_end = [], 0
@@ -256,12 +259,18 @@ def assistant_spans(tokenizer, messages, text, template_kwargs):
                                                      {"role": "user", "content": "?"}], kw)]
         if i:  # a generation prompt for no messages at all breaks templates that read messages[0]
             probes.append(render(tokenizer, messages[:i], kw, add_generation_prompt=True))
-        headers = {h for h in (p[common_prefix(before, p):].split(PROBE)[0] for p in probes) if h}
-        start = max(common_prefix(before, text), prev_end)
-        found = [(at, -len(h)) for h in headers for at in [text.find(h, start)] if at >= 0]
+        same = common_prefix(before, text)
+        found, headers = [], []
+        for p in probes:  # the header starts where the probe leaves `before`, at most where `text` does
+            k = common_prefix(before, p)
+            h = p[k:].split(PROBE)[0]
+            at = text.find(h, max(min(k, same), prev_end)) if h else -1
+            headers.append(h)
+            if at >= 0:
+                found.append((at, -len(h)))
         if not found:
             raise ValueError(f"the chat template's header of assistant turn {i} ({', '.join(map(repr, headers))}) "
-                             f"is not in its render of the conversation from character {start} on")
+                             f"is not in its render of the conversation after character {prev_end}")
         at, minus_len = min(found)  # the first header, the longest at a tie
         body = at - minus_len
         # a content that quotes the end-of-turn text is skipped over when the template writes it verbatim

@@ -166,7 +166,15 @@ LLAMA3_STYLE = ("{{- '<|begin_of_text|>' }}{%- for m in messages %}"
                 "{%- endfor %}"
                 "{%- if add_generation_prompt %}"
                 "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}")
-TEMPLATES = {"chatml-generation-marks": W.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE}
+MISTRAL_STYLE = (  # the system prompt goes into the last user turn: earlier renders differ from the full one
+    "{%- if messages[0].role == 'system' %}{%- set system = messages[0].content %}"
+    "{%- set loop_messages = messages[1:] %}{%- else %}{%- set loop_messages = messages %}{%- endif %}"
+    "{{- '<s>' }}{%- for m in loop_messages %}{%- if m.role == 'user' %}"
+    "{%- if (loop.last or loop_messages|length - loop.index0 == 2) and system is defined %}"
+    "{{- '[INST] ' + system + '\\n\\n' + m.content + '[/INST]' }}{%- else %}{{- '[INST] ' + m.content + '[/INST]' }}"
+    "{%- endif %}{%- elif m.role == 'assistant' %}{{- ' ' + m.content + eos_token }}{%- endif %}{%- endfor %}")
+TEMPLATES = {"chatml-generation-marks": W.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE,
+             "mistral": MISTRAL_STYLE}
 EOT = {"llama3": "<|eot_id|>"}
 
 
@@ -200,7 +208,7 @@ MULTI = [{"role": "system", "content": "sys"}, {"role": "user", "content": "u1"}
          {"role": "assistant", "content": "a3"}, {"role": "user", "content": "trailing user turn"}]
 
 
-@pytest.mark.parametrize("name", ["chatml-generation-marks", "chatml", "llama3"])
+@pytest.mark.parametrize("name", ["chatml-generation-marks", "chatml", "llama3", "mistral"])
 def test_every_assistant_turn_and_nothing_else_is_trained(name):
     eot = EOT.get(name, "<|im_end|>")
     got = loss_spans(tokenizer_for(name), MULTI)
