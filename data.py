@@ -95,7 +95,12 @@ def raw_rows(source, split):
         except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ... for a file that is not parquet
             raise ValueError(f"{source}: not a readable parquet file ({e})") from None
         return [(f"{source}: row {i}", row) for i, row in enumerate(rows)]
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ValueError(f"{source}: line {line}: not UTF-8 text ({e.reason})") from None
     if path.suffix.lower() == ".json" and text.lstrip().startswith("["):  # one array; else JSON lines
         try:
             rows = json.loads(text)
@@ -131,7 +136,8 @@ def message_text(content, where, field):
 
 
 def conversation(row, where):
-    """One row -> [{"role", "content"}]: 'messages' or 'conversations', role/content or from/value."""
+    """One row -> [{"role", "content"}]: 'messages' or 'conversations', role/content or from/value.
+    Raises BadRow naming `where` and the field."""
     if not isinstance(row, dict):
         raise BadRow(f"{where}: expected an object with 'messages', got {type(row).__name__}", "not an object")
     key = next((k for k in ("messages", "conversations") if k in row), None)
@@ -149,7 +155,7 @@ def conversation(row, where):
         role = m.get("role") or m.get("from")  # `or`: parquet/hub rows hold every struct key, absent ones as None
         if role is None:
             raise BadRow(f"{where}: {field}: no 'role' (or 'from')", "missing role")
-        if role not in ROLES:
+        if not isinstance(role, str) or role not in ROLES:
             raise BadRow(f"{where}: {field}.role: unknown role {role!r} (expected system, user, assistant or tool; "
                          "ShareGPT's human, gpt or model)", "unknown role")
         content = m.get("content") if m.get("content") is not None else m.get("value")

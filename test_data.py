@@ -333,6 +333,7 @@ BAD = {  # name: (file name, rows, the message must contain)
                    "i.jsonl: line 1: messages[0].content[1]: a 'image_url' part"),
     "content not text": ("t.jsonl", [{"messages": [{"role": "user", "content": 3}, CHAT[1]]}],
                          "t.jsonl: line 1: messages[0].content: expected a string or a list of text parts, got int"),
+    "not utf-8": ("8.jsonl", b'{"messages": []}\n{"messages": "caf\xe9"}\n', "8.jsonl: line 2: not UTF-8 text"),
     "no assistant turn": ("q.jsonl", [{"messages": CHAT}, {"messages": CHAT[:1]}],
                           "q.jsonl: line 2: messages: no assistant turn (roles: user)"),
 }
@@ -344,6 +345,8 @@ def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, case):
     path = tmp_path / name
     if rows is None:
         path.write_text("")
+    elif isinstance(rows, bytes):
+        path.write_bytes(rows)
     elif isinstance(rows, str):
         path.write_text(rows)
     else:
