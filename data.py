@@ -224,18 +224,18 @@ def common_prefix(a, b):
 
 
 def end_of_turn(tokenizer, template_kwargs):
-    """-> (text, id) of the end-of-turn token: the first added/special token the template puts
-    after an assistant content (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>), else its first token."""
+    """-> (text, id) of the end-of-turn token: the first added/special token the template writes
+    after the last assistant turn's content (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>).
+    Plain text such as a newline cannot end a turn: contents hold newlines too."""
     probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PROBE}]
     tail = render(tokenizer, probe, template_kwargs).split(PROBE)[-1]
-    if not tail:  # some templates end the last turn with nothing: look at a turn that has a successor
-        tail = render(tokenizer, probe + [{"role": "user", "content": "?"}], template_kwargs).split(PROBE)[-1]
     enc = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
-    if not enc["input_ids"]:
-        raise ValueError("the chat template puts nothing after an assistant turn's content: there is no "
-                         "end-of-turn token to stop generation at or to train")
     added = set(tokenizer.added_tokens_decoder)
-    i = next((i for i, t in enumerate(enc["input_ids"]) if t in added), 0)
+    i = next((i for i, t in enumerate(enc["input_ids"]) if t in added), None)
+    if i is None:
+        raise ValueError(f"the chat template writes {tail!r} after an assistant turn, no special token that ends "
+                         f"the turn; pass --chat-template FILE with a template that does (e.g. with the eos token "
+                         f"{tokenizer.eos_token!r})")
     start, end = enc["offset_mapping"][i]
     return tail[start:end], enc["input_ids"][i]
 

@@ -126,12 +126,18 @@ def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
     assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
 
 
-def test_regenerate_file_refuses_output_of_other_data(target, tmp_path):
+@pytest.mark.parametrize("case", ["other prompt", "not ours", "too many"])
+def test_regenerate_file_refuses_output_of_other_data(target, tmp_path, case):
     model, tokenizer = target
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     src.write_text(json.dumps({"messages": CHATS[0]}) + "\n")
-    out.write_text(json.dumps({"messages": [{"role": "user", "content": "other"}, CHATS[0][1]]}) + "\n")
-    with pytest.raises(ValueError, match=r"out\.jsonl: line 1: its non-assistant turns differ"):
+    row = json.dumps({"messages": CHATS[0]}) + "\n"
+    lines, match = {"other prompt": ([{"messages": [{"role": "user", "content": "other"}, CHATS[0][1]]}],
+                                     r"out\.jsonl: line 1: its non-assistant turns differ from the input's"),
+                    "not ours": (["[1]"], r"out\.jsonl: line 1: not a row this command wrote \('\[1\]'\)"),
+                    "too many": ([row, row], r"out\.jsonl: 2 rows already, more than the 1 of the input")}[case]
+    out.write_text("".join((l if isinstance(l, str) else json.dumps(l)).rstrip("\n") + "\n" for l in lines))
+    with pytest.raises(ValueError, match=match):
         D.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=4, batch_size=2,
                           template_kwargs=None, log=lambda *a: None)
 
@@ -231,6 +237,12 @@ def test_qwen3_style_trains_the_text_the_template_renders():
                                                  {"role": "assistant", "content": "a2"}], enable_thinking=False)
     # enable_thinking=false: the generation prompt holds the empty think block, so it is prompt, not loss
     assert no_think == ["a1<|im_end|>", "a2<|im_end|>"], f"loss text with enable_thinking=false: {no_think}"
+
+
+def test_a_template_without_an_end_of_turn_token_is_refused():
+    tokenizer = W.build_tiny_tokenizer("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}")
+    with pytest.raises(ValueError, match=r"the chat template writes '\\n' after an assistant turn, no special token"):
+        D.assistant_tokens(tokenizer, MULTI)
 
 
 def random_conversation(rng, name):
@@ -358,11 +370,17 @@ def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, case):
     assert match in msg and "\n" not in msg, f"{case}: message {msg!r} should be one line containing {match!r}"
 
 
-def test_missing_file_and_parquet_row(tmp_path):
+def test_missing_file_directory_bad_parquet_and_parquet_row(tmp_path):
     import pyarrow
     import pyarrow.parquet
     with pytest.raises(ValueError, match=r"nope\.jsonl: no such file"):
         D.read_conversations(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"dir\.jsonl: a directory; expected a \.jsonl, \.json, \.parquet file"):
+        D.read_conversations(str(tmp_path / "dir.jsonl"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file"):
+        D.read_conversations(str(tmp_path / "bad.parquet"))
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}, {"messages": CHAT[:1]}]),
                                 tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p\.parquet: row 1: messages: no assistant turn"):
@@ -438,6 +456,14 @@ def test_hub_rows_are_named_by_split_and_index(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda source, split: rows)
     with pytest.raises(ValueError, match=r"^org/chats \[test\]: row 1: messages\[0\]\.role: unknown role 'bot'"):
         D.read_conversations("org/chats", "test")
+
+    def offline(source, split):
+        raise ConnectionError(f"Couldn't reach '{source}' on the Hub\n(many more lines)")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(ValueError, match=r"^org/chats: no such local file, and loading it as a hub dataset failed: "
+                                         r"ConnectionError: Couldn't reach 'org/chats' on the Hub$"):
+        D.read_conversations("org/chats")
 
 
 @pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"max_new_tokens": 0},
