@@ -11,9 +11,16 @@ or the row (json array, parquet, hub dataset; 0-based, as in ds[i]) and the fiel
 
     chats.jsonl: line 3: messages[1].role: unknown role 'bot' (expected system, user, ...)
 
-Loss tokens (`assistant_tokens`) are each assistant turn's content and its end-of-turn token,
-as the chat template really renders the whole conversation: from the template's own
-{% generation %} marks when it has them, else from turn-by-turn renders.
+Decisions:
+- loss tokens (`assistant_tokens`) are each assistant turn's content and its end-of-turn
+  token, as the chat template really renders the whole conversation: from the template's
+  own {% generation %} marks when it has them, else from turn-by-turn renders; the newline
+  a template writes after the end-of-turn token is not trained;
+- OpenAI list content keeps its text parts joined by newlines (as vLLM joins them); any
+  other part is an error;
+- rows with fewer than 2 loss tokens after truncation are dropped, counted and printed;
+- regeneration decodes with its own loop rather than `generate`: a torch.Generator seeds
+  the sampling, and the stop tokens are the template's end-of-turn token and the eos.
 """
 import json
 import re
@@ -169,15 +176,6 @@ def conversation(row, where):
     return out
 
 
-def read_conversations(source, split="train", drop_bad=False, log=print):
-    """Local .jsonl / .json (an array or JSON lines) / .parquet, or a hub dataset id (`split`) ->
-    list of conversations. Each row holds 'messages' or 'conversations': role/content (OpenAI) or
-    from/value (ShareGPT; human -> user, gpt/model -> assistant); list content keeps its text
-    parts. Every row needs an assistant turn. A bad row raises ValueError naming the file, the
-    line/row and the field; with drop_bad=True bad rows are dropped, counted and printed instead."""
-    return [c for _, c in located_conversations(source, split, drop_bad, log)]
-
-
 def located_conversations(source, split, drop_bad, log):
     """read_conversations, each conversation with its `where` -> [(where, conversation)]."""
     rows = raw_rows(source, split)
@@ -200,6 +198,15 @@ def located_conversations(source, split, drop_bad, log):
     if not out:
         raise ValueError(f"{source}: none of its {len(rows)} rows is usable (first problem: {first})")
     return out
+
+
+def read_conversations(source, split="train", drop_bad=False, log=print):
+    """Local .jsonl / .json (an array or JSON lines) / .parquet, or a hub dataset id (`split`) ->
+    list of conversations. Each row holds 'messages' or 'conversations': role/content (OpenAI) or
+    from/value (ShareGPT; human -> user, gpt/model -> assistant); list content keeps its text
+    parts. Every row needs an assistant turn. A bad row raises ValueError naming the file, the
+    line/row and the field; with drop_bad=True bad rows are dropped, counted and printed instead."""
+    return [c for _, c in located_conversations(source, split, drop_bad, log)]
 
 
 # -----------------------------------------------------------------------------
