@@ -482,7 +482,9 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_ne
                     log):
     """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
     {"messages": [...]} rows in the input's order. Rows are appended batch by batch, so a killed
-    run started again with the same arguments resumes after the last complete row."""
+    run started again with the same arguments resumes after the last complete row. The input is
+    read here again: to report its errors before the target's weights load, call
+    read_conversations(in_path) first."""
     conversations = read_conversations(in_path, log=log)
     start = written_rows(out_path, conversations, log)
     if start:
