@@ -143,7 +143,7 @@ def check_overrides(overrides):
 
 
 def default_target_layer_ids(num_target_layers, num_features=5):
-    """SPEC §1: n == 1 -> [L // 2], else round(1 + i*(L-4)/(n-1)). Here n = min(5, L-3) so
+    """§1: nf == 1 -> [Lt // 2], else round(1 + i*(Lt-4)/(nf-1)). Here nf = min(5, Lt-3) so
     that small targets still get distinct layers (36 layers -> [1, 9, 17, 25, 33])."""
     L = num_target_layers
     n = max(1, min(num_features, L - 3))
@@ -158,7 +158,7 @@ def default_target_layer_ids(num_target_layers, num_features=5):
 
 def context_features(hidden_states, layer_ids):
     """cat(h_l for l in layer_ids); layer id l is HF hidden_states[l + 1] (index 0 = embeddings)."""
-    return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, n*H)
+    return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, nf·H)
 
 
 def check_target(c, target):
@@ -178,7 +178,7 @@ def check_target(c, target):
 
 
 def rope_cos_sin(positions, head_dim, theta, dtype):
-    """Rotary tables for integer positions (..., T) -> (..., T, head_dim), as in Qwen3."""
+    """Rotary tables for integer positions (b, N·B) -> (b, N·B, hd), as in Qwen3 (half-table repeated)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
     freqs = positions[..., None].float() * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -186,7 +186,7 @@ def rope_cos_sin(positions, head_dim, theta, dtype):
 
 
 def apply_rope(x, cos, sin):
-    """x (b, heads, T, hd); cos/sin (b, T, hd). Rotate-half convention of HF Llama/Qwen."""
+    """x (b, heads, N·B, hd); cos/sin (b, N·B, hd). Rotate-half convention of HF Llama/Qwen."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
@@ -240,11 +240,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def _split_heads(self, y, n):
-        return y.view(*y.shape[:2], n, self.c.head_dim).transpose(1, 2)  # (b, n, T, hd)
+        return y.view(*y.shape[:2], n, self.c.head_dim).transpose(1, 2)  # (b, heads, N·B, hd)
 
     def forward(self, x, ctx, block_rope, ctx_rope, mask=None, cache=None, layer_idx=0):
-        """x (b, T, H) block; ctx (b, S, H) projected context features (only the new ones
-        when a cache is given); mask (b, 1, T, S+T) bool or None."""
+        """x (b, N·B, H) blocks; ctx (b, S, H) projected context features (only the new ones
+        when a cache is given); mask (b, 1, N·B, S + N·B) bool or None."""
         nh, nkv = self.c.num_heads, self.c.num_kv_heads
         q = apply_rope(self.q_norm(self._split_heads(self.q_proj(x), nh)), *block_rope)
         # the same k/v projections (and k_norm) serve context and block; only RoPE positions differ
@@ -256,7 +256,7 @@ class Attention(nn.Module):
         v_blk = self._split_heads(self.v_proj(x), nkv)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)  # GQA
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, T, hd)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, N·B, hd)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
 
@@ -274,21 +274,21 @@ class MLP(nn.Module):
 def local_conv(x, delta, base, block_size):
     """Grouped dynamic causal convolution along each block (§2).
 
-        out[i, c] = Σ_{t<Kc} (base[t, c] + δ[i, t, g(c)]) · x[i − t, c],   g(c) = c // G
-        x[i − t] := 0 when (i mod B) < t
+        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],   g(c) = c // G
+        x[i − τ] := 0 when (i mod B) < τ
 
-    x (b, T, H) laid out block by block (T a multiple of B, or one block of T <= B);
-    delta (b, T, Kc, H/G) computed at the output position; base (Kc, H).
+    x (b, N·B, H) laid out block by block (or one block of at most B tokens);
+    delta (b, N·B, Kc, H/G) computed at the output position; base (Kc, H).
     Training packs blocks back to back, so a tap that reaches across a block start would
     read the previous block's tokens: those taps are zeroed, not just padded at T = 0."""
-    T, H = x.shape[1], x.shape[2]
+    length, H = x.shape[1], x.shape[2]
     Kc, G = base.shape[0], H // delta.shape[-1]
-    pos_in_block = torch.arange(T, device=x.device) % block_size
+    pos_in_block = torch.arange(length, device=x.device) % block_size
     out = torch.zeros_like(x)
-    for t in range(Kc):
-        shifted = F.pad(x, (0, 0, t, 0))[:, :T]  # shifted[:, i] = x[:, i - t]
-        shifted = shifted * (pos_in_block >= t).to(x.dtype)[:, None]
-        coef = base[t] + delta[:, :, t].repeat_interleave(G, dim=-1)
+    for tap in range(Kc):
+        shifted = F.pad(x, (0, 0, tap, 0))[:, :length]  # shifted[:, i] = x[:, i - tap]
+        shifted = shifted * (pos_in_block >= tap).to(x.dtype)[:, None]
+        coef = base[tap] + delta[:, :, tap].repeat_interleave(G, dim=-1)
         out = out + coef * shifted
     return out
 
@@ -341,7 +341,7 @@ class DecoderLayer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """S[j](p, c) = U[j, c] + Σ_r A[p, r] · P[j, r] · Bc[c, r],  P[j] = hidden_projection(h[j])."""
+    """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k])."""
 
     def __init__(self, c):
         super().__init__()
@@ -425,10 +425,10 @@ class DFlash2Drafter(nn.Module):
         init_weights(self)
 
     def forward(self, block_embeds, block_pos, ctx_features, ctx_pos, mask=None, cache=None):
-        """block_embeds (b, T, H) target embeddings of the block tokens at positions
-        block_pos (b, T); ctx_features (b, S, n*H) raw target features at ctx_pos (b, S);
-        mask (b, 1, T, S+T) bool (True = may attend) or None (= see everything).
-        With a cache, ctx_features are only the new context. Returns (b, T, H), normalized."""
+        """block_embeds (b, N·B, H) target embeddings of the block tokens at positions
+        block_pos (b, N·B); ctx_features (b, S, nf·H) raw target features at ctx_pos (b, S);
+        mask (b, 1, N·B, S + N·B) bool (True = may attend) or None (= see everything).
+        With a cache, ctx_features are only the new context. Returns (b, N·B, H), normalized."""
         c = self.config
         ctx = self.hidden_norm(self.fc(ctx_features))  # computed once, shared by every layer
         block_rope = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, block_embeds.dtype)

@@ -71,11 +71,11 @@ def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
     tokenizer = W.build_tiny_tokenizer(template)
     msgs = CONVERSATION if shape == "messages" else [
         {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
-    rows = T.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512, str(tmp_path))
+    rows = T.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512,
+                       log=lambda *a: None)
     ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
     got = tokenizer.decode(ids[mask.bool()])
-    # without {% generation %} the mask is everything after the prompt, the template's trailing newline included
-    want = CONVERSATION[1]["content"] + "<|im_end|>" + ("" if generation_tag else "\n")
+    want = CONVERSATION[1]["content"] + "<|im_end|>"  # with or without {% generation %} marks
     assert got == want, f"masked tokens decode to {got!r}, expected the assistant turn {want!r}"
 
 
@@ -145,7 +145,7 @@ def test_bad_input_fails_before_writing(world, tmp_path, case):
         data, match = str(tmp_path / "nope.jsonl"), "no such file"
     elif case == "no assistant":
         data = write_jsonl(tmp_path / "u.jsonl", [{"messages": CONVERSATION[:1]}] * 8)
-        match = "no row has assistant tokens"
+        match = "line 1: messages: no assistant turn"
     elif case == "mask id":
         extra, match = ["--mask-token-id", "100000"], "outside the target's embedding table"
     elif case == "layer ids":
@@ -161,9 +161,76 @@ def test_bad_input_fails_before_writing(world, tmp_path, case):
     assert not out.exists(), f"{out} was created by a run that failed on bad input"
 
 
-def test_offline_world_builds_a_loadable_target(tmp_path):
-    target, data = W.tiny_world(tmp_path, pretrain_steps=1, log=lambda *a: None)
-    model = AutoModelForCausalLM.from_pretrained(target)
-    assert model.config.model_type == "qwen3" and model.config.vocab_size == 260, model.config
-    first = json.loads(open(data).readline())["messages"]
-    assert [m["role"] for m in first] == ["user", "assistant"], first
+BAD_DATA = {  # name -> (file name, file text, what the message must say)
+    "empty file": ("e.jsonl", "", "e.jsonl: empty file"),
+    "malformed JSON line": ("m.jsonl", json.dumps({"messages": CONVERSATION}) + '\n{"messages": [\n',
+                            "m.jsonl: line 2: invalid JSON"),
+    "a .csv file": ("c.csv", "a,b\n1,2\n", "unsupported file type '.csv'"),
+    "row without messages": ("r.jsonl", json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"text": "x"}) + "\n",
+                             "r.jsonl: line 2: no 'messages' or 'conversations' field"),
+    "message without content": ("n.jsonl", json.dumps({"messages": [CONVERSATION[0], {"role": "assistant"}]}) + "\n",
+                                r"n.jsonl: line 1: messages\[1\].content: missing"),
+    "unknown role": ("u.jsonl", json.dumps({"messages": [CONVERSATION[0], {"role": "bot", "content": "x"}]}) + "\n",
+                     r"u.jsonl: line 1: messages\[1\].role: unknown role 'bot'"),
+}
+
+
+@pytest.fixture
+def no_target_load(monkeypatch):
+    """Data errors must surface before the target's weights load: loading them is an error here."""
+    def refuse(*a, **k):
+        raise AssertionError("the target's weights were loaded before the data was checked")
+    monkeypatch.setattr(T.transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+@pytest.mark.parametrize("case", BAD_DATA)
+def test_bad_data_is_one_line_naming_the_row_before_the_target_loads(world, tmp_path, no_target_load, case):
+    name, text, match = BAD_DATA[case]
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ValueError, match=match):
+        T.train(args_for(world, tmp_path / "out", "--steps", "1", data=str(tmp_path / name)))
+
+
+def test_a_target_folder_that_is_not_a_model_is_named(world, tmp_path, no_target_load):
+    (tmp_path / "notamodel").mkdir()
+    with pytest.raises(ValueError, match="notamodel: the folder has no config.json"):
+        T.train(T.parse_args(["--target", str(tmp_path / "notamodel"), "--data", world["data"],
+                              "--out-dir", str(tmp_path / "out")]))
+
+
+@pytest.mark.parametrize("flag", ["--grad-accum", "--log-every", "--eval-prompts", "--val-size", "--steps",
+                                  "--batch-size", "--max-anchors", "--eval-new-tokens"])
+def test_zero_counts_are_refused_by_the_parser(flag, capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args([flag, "0"])
+    assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_script_bad_input_exits_with_one_line(world, tmp_path):
+    bad = tmp_path / "e.jsonl"
+    bad.write_text("")
+    run = subprocess.run([sys.executable, os.path.join(HERE, "train.py"), *flags(world, tmp_path / "out", data=str(bad))],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"train.py: {bad}: empty file"], run.stderr
+
+
+@pytest.mark.parametrize("change", ["steps", "seq-len", "target", "layers"])
+def test_resume_refuses_another_run(world, tmp_path, change):
+    T.train(args_for(world, tmp_path / "out", "--steps", "2"))
+    extra, match = ["--steps", "2", "--resume"], None
+    if change == "steps":
+        extra, match = ["--steps", "3", "--resume"], r"schedule: saved steps 2 != now 3"
+    elif change == "seq-len":
+        extra, match = extra + ["--seq-len", "160"], r"seq_len: saved 192 != now 160"
+    elif change == "layers":
+        extra, match = extra + ["--num-layers", "3"], r"drafter: saved num_layers 2 != now 3"
+    args = args_for(world, tmp_path / "out", *extra)
+    if change == "target":  # same shape, other weights
+        other = tiny_target(tmp_path / "other", W.build_tiny_tokenizer())
+        with torch.no_grad():
+            model = AutoModelForCausalLM.from_pretrained(other)
+            model.lm_head.weight.add_(1.0)
+            model.save_pretrained(other)
+        args.target, match = other, "the target's weights differ"
+    with pytest.raises(ValueError, match=match):
+        T.train(args)

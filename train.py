@@ -18,9 +18,11 @@ optimizer, step). The data order and the anchor draws are functions of (seed, st
 the step is the whole data position and a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
+import dataclasses
+import hashlib
+import json
 import math
 import os
-import re
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -30,11 +32,23 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import DFlash2Config, DFlash2Drafter, dflash2_loss, sample_anchors, spec_generate
+from dflash2 import DFlash2Config, DFlash2Drafter, check_target, dflash2_loss, sample_anchors, spec_generate
+from data import load_chat_template, load_rows, parse_template_kwargs, read_conversations, regenerate_file
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
 # arguments
+
+
+def at_least(low, kind=int, strict=False):
+    """argparse type: a number >= low (> low if strict), refused with the flag and value otherwise."""
+    def parse(text):
+        value = kind(text)
+        if not (value > low if strict else value >= low):  # also refuses NaN
+            raise argparse.ArgumentTypeError(f"{text} must be {'>' if strict else '>='} {low}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def parse_args(argv=None):
@@ -43,56 +57,66 @@ def parse_args(argv=None):
     g = p.add_argument_group("target and data")
     g.add_argument("--target", help="HF model folder or hub id of the frozen target; unset: the offline tiny "
                    "Qwen3 trained on the stdlib, built and cached on first use")
-    g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet/.txt; rows hold 'messages' or "
-                   "'conversations' (role/content or from/value) or plain 'text'; unset: the stdlib conversations")
+    g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet; rows hold 'messages' or "
+                   "'conversations' (role/content or from/value); unset: the offline world's conversations")
     g.add_argument("--data-split", default="train", help="split of a hub dataset")
-    g.add_argument("--val-size", type=int, default=32, help="last rows held out for validation and spec_generate")
-    g.add_argument("--seq-len", type=int, default=512, help="rows are truncated to this many tokens (paper: 3072)")
+    g.add_argument("--drop-bad-rows", action="store_true", help="drop (and count) unusable rows instead of stopping")
+    g.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
+    g.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
+                   "'{\"enable_thinking\": false}'")
+    g.add_argument("--val-size", type=at_least(1), default=32, help="last rows held out for validation and spec_generate")
+    g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens (paper: 3072)")
     g.add_argument("--mask-token-id", type=int, help="id of the MASK slots; unset: the tokenizer's mask token, "
                    "else the first target embedding row that no token uses")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="offline world (tokenizer, conversations, tiny target) and local datasets' Arrow cache")
-    g.add_argument("--tiny-pretrain-steps", type=int, default=400,
+    g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=400,
                    help="pretraining steps of the offline tiny target (cached per value)")
     g = p.add_argument_group("drafter")
-    g.add_argument("--num-layers", type=int, default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
-    g.add_argument("--block-size", type=int, default=8, help="B: anchor + B-1 drafted tokens")
+    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
+    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
     g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
                    help="comma-separated target layers feeding the context; unset: the SPEC §1 rule")
-    g.add_argument("--conv-kernel-size", type=int, default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--conv-group-size", type=int, default=16, help="channels per dynamic coefficient G")
-    g.add_argument("--selector-rank", type=int, default=256, help="candidate selector rank R")
-    g.add_argument("--selector-top-k", type=int, default=16, help="selector candidates K (0 disables)")
+    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
+    g.add_argument("--conv-group-size", type=at_least(1), default=16, help="channels per dynamic coefficient G")
+    g.add_argument("--selector-rank", type=at_least(1), default=256, help="candidate selector rank R")
+    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
     g.add_argument("--init-from", help="warm start from a DFlash or DFlash2 export folder; its architecture wins "
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
     g.add_argument("--loss", default="kl", choices=["kl", "ce"], help="unary loss: forward KL or CE on target argmax")
-    g.add_argument("--gamma", type=float, help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
-    g.add_argument("--alpha", type=float, default=1.0, help="weight of the selector loss")
+    g.add_argument("--gamma", type=at_least(0, float, strict=True), help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
+    g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
-    g.add_argument("--max-anchors", type=int, default=32,
+    g.add_argument("--max-anchors", type=at_least(1), default=32,
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g = p.add_argument_group("optimization")
-    g.add_argument("--lr", type=float, default=6e-4, help="peak AdamW learning rate")
-    g.add_argument("--warmup", type=float, default=0.04, help="warmup fraction of the steps, then cosine to 0")
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="max gradient norm (0 disables)")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per rank per micro-step")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps")
-    g.add_argument("--epochs", type=float, help="passes over the data; overrides --steps when set")
+    g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
+    g.add_argument("--warmup", type=at_least(0, float), default=0.04, help="warmup fraction of the steps, then cosine to 0")
+    g.add_argument("--weight-decay", type=at_least(0, float), default=0.0, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=at_least(0, float), default=1.0, help="max gradient norm (0 disables)")
+    g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
+    g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-steps per optimizer step")
+    g.add_argument("--steps", type=at_least(1), default=300, help="optimizer steps")
+    g.add_argument("--epochs", type=at_least(0, float, strict=True), help="passes over the data; overrides --steps when set")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoint/ and resume.pt go here")
     g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
-    g.add_argument("--log-every", type=int, default=20, help="steps between log lines")
-    g.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: only at the end)")
-    g.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (0: only at the end)")
-    g.add_argument("--eval-prompts", type=int, default=4, help="held-out prompts for real spec_generate AL")
-    g.add_argument("--eval-new-tokens", type=int, default=96, help="tokens generated per eval prompt")
+    g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines")
+    g.add_argument("--eval-every", type=at_least(0), default=0, help="steps between evaluations (0: only at the end)")
+    g.add_argument("--save-every", type=at_least(0), default=200, help="steps between checkpoints (0: only at the end)")
+    g.add_argument("--eval-prompts", type=at_least(1), default=4, help="held-out prompts for real spec_generate AL")
+    g.add_argument("--eval-new-tokens", type=at_least(1), default=96, help="tokens generated per eval prompt")
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint/ dtype")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
+    g = p.add_argument_group("regeneration (instead of training)")
+    g.add_argument("--regenerate", metavar="OUT.jsonl", help="write --data with every assistant turn replaced by "
+                   "the target's own answer, then exit; a killed run started again resumes")
+    g.add_argument("--regen-temperature", type=at_least(0, float), default=0.0, help="0: greedy answers")
+    g.add_argument("--regen-max-new-tokens", type=at_least(1), default=2048, help="longest answer, in tokens")
+    g.add_argument("--regen-batch-size", type=at_least(1), default=16, help="conversations per generate batch")
     return p.parse_args(argv)
 
 
@@ -117,65 +141,49 @@ def pad(rows, value):
 
 
 # -----------------------------------------------------------------------------
-# data: conversations -> (input_ids, loss_mask = 1 on assistant tokens)
-
-ROLES = {"human": "user", "gpt": "assistant", "model": "assistant"}  # ShareGPT-style from/value
+# target, tokenizer and data (data.py: conversations -> input_ids + loss_mask = 1 on assistant tokens)
 
 
-def message(m):
-    """role/content (OpenAI style) or from/value (ShareGPT style) -> role/content."""
-    role = m.get("role") or m.get("from")
-    return {"role": ROLES.get(role, role), "content": m["content"] if m.get("content") is not None else m.get("value")}
+def check_target_path(target):
+    """A local folder must be a model folder; anything else that exists locally is a mistake,
+    not a hub id (transformers would otherwise blame a missing tokenizer package)."""
+    p = Path(target)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ValueError(f"--target {target}: the folder has no config.json, it is not a Hugging Face model folder")
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--target {target}: a file, expected a model folder or a hub id")
 
 
-def chat_tokens(tokenizer, messages):
-    """The template's own assistant mask when it marks {% generation %}; otherwise every
-    token after the prompt of the last assistant turn."""
-    if re.search(r"{%-?\s*generation\s*-?%}", tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True)
-        return out["input_ids"], out["assistant_masks"]
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=0)
-    if last == 0:
-        return ids, [0] * len(ids)
-    prompt = tokenizer.apply_chat_template(messages[:last], tokenize=True, return_dict=True,
-                                           add_generation_prompt=True)["input_ids"]
-    n = 0  # common prefix: some templates render the last turn's header differently in the prompt
-    while n < min(len(prompt), len(ids)) and prompt[n] == ids[n]:
-        n += 1
-    return ids, [0] * n + [1] * (len(ids) - n)
+def load_tokenizer(target, chat_template):
+    check_target_path(target)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+    if chat_template:
+        tokenizer.chat_template = load_chat_template(chat_template)
+    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
-def load_rows(data, split, tokenizer, seq_len, cache_dir):
-    """-> datasets.Dataset of input_ids / loss_mask (torch format), rows without loss tokens dropped."""
-    builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}.get(Path(data).suffix)
-    if builder:
-        if not Path(data).is_file():
-            raise ValueError(f"--data {data}: no such file")
-        extra = {"sample_by": "paragraph"} if builder == "text" else {}
-        ds = datasets.load_dataset(builder, data_files=data, split="train",
-                                   cache_dir=os.path.join(cache_dir, "datasets"), **extra)
-    else:
-        ds = datasets.load_dataset(data, split=split)
-    key = next((k for k in ("messages", "conversations", "text") if k in ds.column_names), None)
-    if key is None:
-        raise ValueError(f"--data {data}: expected a 'messages', 'conversations' or 'text' column, "
-                         f"found {ds.column_names}")
+def load_target(target, dtype_flag, device):
+    """Frozen, in bfloat16 on GPU and float32 on CPU unless --dtype says otherwise."""
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype_flag == "auto" else \
+        getattr(torch, dtype_flag)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device)
+    return model.eval().requires_grad_(False)
 
-    def encode(row):
-        if key == "text":  # plain text: every token is a training token
-            ids = tokenizer(row["text"])["input_ids"]
-            mask = [1] * len(ids)
-        else:
-            ids, mask = chat_tokens(tokenizer, [message(m) for m in row[key]])
-        return {"input_ids": ids[:seq_len], "loss_mask": mask[:seq_len]}
 
-    ds = ds.map(encode, remove_columns=ds.column_names).filter(lambda r: sum(r["loss_mask"]) > 1)
-    if len(ds) == 0:
-        raise ValueError(f"--data {data}: no row has assistant tokens (loss tokens) in its first {seq_len} tokens; "
-                         "check the chat format (role/content or from/value with an 'assistant'/'gpt' turn)")
-    return ds.with_format("torch")
+def regenerate(args, log=print):
+    """--regenerate: the target answers every assistant turn of --data itself (on-policy data)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (args.target and args.data):
+        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    read_conversations(args.data, args.data_split, log=log)  # input errors before the weights load
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
+                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
+                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
+    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
 
 
 def choose_mask_token(flag, tokenizer, num_rows):
@@ -267,6 +275,49 @@ def check_out_dir(out_dir):
         raise ValueError(f"--out-dir {out_dir} is not writable ({p} is not a writable directory)")
 
 
+def weights_fingerprint(model):
+    """Cheap identity of a model's weights: float64 sums of its first and last tensors."""
+    params = list(model.parameters())
+    return [round(float(p.detach().double().sum()), 6) for p in (params[0], params[-1])]
+
+
+def data_fingerprint(rows):
+    """Rows count and a hash of 16 evenly spaced rows' token ids (the whole set can be GBs)."""
+    picks = sorted({i * (len(rows) - 1) // 15 for i in range(16)})
+    digest = hashlib.sha256(json.dumps([rows[i]["input_ids"].tolist() for i in picks]).encode()).hexdigest()[:16]
+    return {"rows": len(rows), "sample_sha256": digest}
+
+
+def run_identity(args, target_config, drafter_config, train_rows, total, warmup, global_batch, world):
+    """Everything a resumed run must share with the run it continues."""
+    target = {k: v for k, v in target_config.to_dict().items()
+              if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
+    return {"target_config": target, "data": data_fingerprint(train_rows), "seq_len": args.seq_len,
+            "schedule": {"steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch,
+                         "world": world, "seed": args.seed},
+            "drafter": dataclasses.asdict(drafter_config)}
+
+
+def check_resume(resume_file, run):
+    """Load resume.pt, refusing a run that differs in target, data, sequence length,
+    schedule or drafter architecture, and naming what differs."""
+    state = torch.load(resume_file, map_location="cpu", weights_only=True)
+    saved = state.get("run", {})
+    differ = [k for k in run if saved.get(k) != run[k]]
+    if differ:
+        detail = "; ".join(f"{k}: saved {diff(saved.get(k), run[k])}" for k in differ)
+        raise ValueError(f"--resume: {resume_file} belongs to another run ({detail}); use another --out-dir")
+    return state
+
+
+def diff(saved, now):
+    """The fields of two dicts that differ, as 'key a != b' (or the two values)."""
+    if isinstance(saved, dict) and isinstance(now, dict):
+        keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
+        return ", ".join(f"{k} {saved.get(k)!r} != now {now.get(k)!r}" for k in keys)
+    return f"{saved!r} != now {now!r}"
+
+
 def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
     """The servable export, then the resume state; each written under a temp name and renamed."""
     drafter.save_pretrained(os.path.join(out_dir, "checkpoint"), dtype=getattr(torch, export_dtype))
@@ -291,8 +342,9 @@ def train(args):
     else:  # share the cores between the ranks of this machine
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     master = rank == 0
-    datasets.disable_progress_bars()  # one log line per step, no progress bars in between
-    transformers.utils.logging.disable_progress_bar()
+    if not master:  # downloads and tokenization show one progress bar, rank 0's
+        datasets.disable_progress_bars()
+        transformers.utils.logging.disable_progress_bar()
     log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
     check_out_dir(args.out_dir)
     resume_file = os.path.join(args.out_dir, "resume.pt")
@@ -308,20 +360,19 @@ def train(args):
             dist.barrier()
         args.target, args.data = args.target or target_path, args.data or data_path
         log(f"offline world cached in {os.path.abspath(args.cache_dir)}")
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    dtype = dtype if args.dtype == "auto" else getattr(torch, args.dtype)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
-    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
-        tokenizer.pad_token = tokenizer.eos_token
-    target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device)
-    target.eval().requires_grad_(False)
-    rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, args.cache_dir)
+
+    # tokenizer and data first, then the target's config: every data or shape problem
+    # surfaces before the (possibly many-GB) weights load
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, template_kwargs=template_kwargs,
+                     drop_bad=args.drop_bad_rows, log=log)
     if len(rows) <= args.val_size:
         raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
     n_train = len(rows) - args.val_size
     train_rows, val = rows.select(range(n_train)), rows.select(range(n_train, len(rows)))
-    num_rows = target.get_input_embeddings().weight.shape[0]
-    mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, num_rows)
+    target_config = transformers.AutoConfig.from_pretrained(args.target)
+    mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size)
 
     # drafter: at the target's width; the target's embedding and lm_head are borrowed, frozen
     torch.manual_seed(args.seed)
@@ -331,29 +382,34 @@ def train(args):
         drafter = DFlash2Drafter.from_pretrained(args.init_from)
         if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
             drafter = DFlash2Drafter.from_pretrained(args.init_from, **parts)
-        for name, want in (("hidden_size", target.config.hidden_size), ("vocab_size", target.config.vocab_size),
-                           ("num_target_layers", target.config.num_hidden_layers)):
+        for name, want in (("hidden_size", target_config.hidden_size), ("vocab_size", target_config.vocab_size),
+                           ("num_target_layers", target_config.num_hidden_layers)):
             if getattr(drafter.config, name) != want:
                 raise ValueError(f"--init-from {args.init_from} has {name} {getattr(drafter.config, name)} but the "
                                  f"target has {want}: a drafter only fits the target it was trained for")
     else:
         layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-        drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, num_layers=args.num_layers,
+        drafter = DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers,
                                                            block_size=args.block_size, mask_token_id=mask_token_id,
                                                            **layer_ids, **parts))
-    drafter.to(device)
-    params = list(drafter.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     global_batch = args.batch_size * args.grad_accum * world
     total = math.ceil(args.epochs * len(train_rows) / global_batch) if args.epochs else args.steps
     warmup = max(1, round(args.warmup * total))
-    meta = {"seed": args.seed, "global_batch": global_batch, "world": world}
+    run = run_identity(args, target_config, drafter.config, train_rows, total, warmup, global_batch, world)
+    state = check_resume(resume_file, run) if args.resume else None  # before the target loads, too
+
+    target = load_target(args.target, args.dtype, device)
+    check_target(drafter.config, target)  # --init-from: a drafter only fits the target it was trained for
+    fingerprint = weights_fingerprint(target)
+    if state is not None and state["target_weights"] != fingerprint:
+        raise ValueError(f"--resume: the target's weights differ from the run in {resume_file} "
+                         f"(fingerprint {fingerprint} != {state['target_weights']})")
+    drafter.to(device)
+    params = list(drafter.parameters())
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    meta = {"run": run, "target_weights": fingerprint}
     step = 0
-    if args.resume:
-        state = torch.load(resume_file, map_location=device, weights_only=True)
-        if {k: state[k] for k in meta} != meta:
-            raise ValueError(f"--resume: {resume_file} was written with {({k: state[k] for k in meta})}, this run has "
-                             f"{meta}; the data order would differ")
+    if state is not None:
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -363,7 +419,7 @@ def train(args):
     os.makedirs(args.out_dir, exist_ok=True)
     n_params = sum(p.numel() for p in params)
     c = drafter.config
-    log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {dtype}) | drafter "
+    log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {target.dtype}) | drafter "
         f"{n_params / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers {c.target_layer_ids}, mask "
         f"token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} val rows | {world} "
         f"rank(s) on {device.type} | out {os.path.abspath(args.out_dir)}")
@@ -385,7 +441,7 @@ def train(args):
         for micro in range(args.grad_accum):
             batch = micro_batch(step, micro)
             # anchors are drawn from (seed, step, micro, rank) so a resumed run draws the same ones
-            gen = torch.Generator().manual_seed(hash((args.seed, step, micro, rank)))
+            gen = torch.Generator().manual_seed(((args.seed * 1_000_003 + step) * 1_009 + micro) * 1_013 + rank)
             loss, stats = loss_step(drafter, target, batch, args, gen)
             (loss / args.grad_accum).backward()
             micro_stats.append(stats)
@@ -444,4 +500,8 @@ def train(args):
 
 
 if __name__ == "__main__":
-    train(parse_args())
+    args = parse_args()
+    try:
+        regenerate(args) if args.regenerate else train(args)
+    except ValueError as e:  # bad input: one line, no traceback
+        raise SystemExit(f"train.py: {e}") from None
