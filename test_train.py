@@ -62,6 +62,10 @@ def test_smoke_run_writes_loadable_checkpoint(world, tmp_path, capsys):
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, f"acceptance lengths {summary['al_t0']}, {summary['al_t1']}"
     out = capsys.readouterr().out
     assert "step     3/3 | loss " in out and "temperature   mean AL" in out, out
+    record = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in record] == [("train", 1), ("train", 2), ("train", 3), ("eval", 3)], record
+    assert record[-1]["al_t0"] == summary["al_t0"] and len(record[0]["slot_acc"]) == 7, record[-1]
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 1000, "curves.png was not written"
 
 
 @pytest.mark.parametrize("generation_tag", [True, False])
@@ -94,6 +98,8 @@ def test_resume_repeats_the_uninterrupted_run(world, tmp_path, monkeypatch):
     resumed = T.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume"))["losses"]
     assert list(resumed) == [3, 4], f"resumed run did steps {list(resumed)}, expected [3, 4]"
     assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 4], f"the resumed run's record holds steps {steps}, want 1..4 once (+ the eval at 4)"
 
 
 def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
@@ -234,3 +240,11 @@ def test_resume_refuses_another_run(world, tmp_path, change):
         args.target, match = other, "the target's weights differ"
     with pytest.raises(ValueError, match=match):
         T.train(args)
+
+
+def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        T.record(tmp_path, {"kind": "train", "step": step})
+    T.rewind_record(tmp_path, 3)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"

@@ -240,7 +240,7 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
                                   args, gen)[1] for i in range(0, len(val), args.batch_size)])
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
     for temperature in (0.0, 1.0):
-        als, tps, texts = [], [], []
+        als, tps, texts, t0 = [], [], [], time.time()
         for i in range(min(args.eval_prompts, len(val))):
             ids, mask = val[i]["input_ids"], val[i]["loss_mask"]
             start = int(mask.nonzero()[0]) or len(ids) // 2  # prompt = all before the first answer token
@@ -250,6 +250,7 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
             tps.append(s.tokens_per_second)
             texts.append(tokenizer.decode(new))
         table[temperature] = (sum(als) / len(als), sum(tps) / len(tps), texts[0])
+        log(f"eval | spec_generate at T = {temperature}: {len(als)} prompts in {time.time() - t0:.0f}s")
     sel = lambda k: f"{stats[k]:.3f}" if k in stats else "-"
     log(f"eval | val loss {stats['loss']:.4f} unary {stats['unary_loss']:.4f} sel {sel('selector_loss')} | "
         f"recall@K {sel('recall_at_k')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
@@ -316,6 +317,45 @@ def diff(saved, now):
         keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
         return ", ".join(f"{k} {saved.get(k)!r} != now {now.get(k)!r}" for k in keys)
     return f"{saved!r} != now {now!r}"
+
+
+def record(out_dir, entry):
+    """Append one log or eval line, as JSON, to OUT/metrics.jsonl: the run's record."""
+    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
+        f.write(json.dumps(entry) + "\n")
+
+
+def rewind_record(out_dir, step):
+    """A resumed run continues the record from its checkpoint: later lines of the killed run go."""
+    path = Path(out_dir) / "metrics.jsonl"
+    if path.exists():
+        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
+        path.with_suffix(".tmp").write_text("".join(kept))
+        os.replace(path.with_suffix(".tmp"), path)
+
+
+def plot_curves(out_dir):
+    """OUT/curves.png from the record: loss, expected AL (unary / selector / oracle) and the
+    per-slot accuracy of each evaluation, against steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+    train_rows, evals = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    ax[0].plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss")
+    ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="val loss")
+    for key in ("al_unary", "al_selector", "al_oracle"):
+        ax[1].plot([r["step"] for r in train_rows if key in r], [r[key] for r in train_rows if key in r], label=key)
+    for r in evals:
+        ax[2].plot(range(1, len(r["slot_acc"]) + 1), r["slot_acc"], "o-", label=f"step {r['step']}")
+    for a, title in zip(ax, ("loss", "expected acceptance length (train batches)", "val accuracy per slot")):
+        a.set_title(title)
+        a.legend()
+    ax[0].set_xlabel("step"), ax[1].set_xlabel("step"), ax[2].set_xlabel("slot k")
+    fig.tight_layout()
+    fig.savefig(Path(out_dir) / "curves.png", dpi=80)
+    plt.close(fig)
 
 
 def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
@@ -413,6 +453,8 @@ def train(args):
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
+        if master:
+            rewind_record(args.out_dir, step)
     if world > 1:  # every replica starts from rank 0's weights
         for p in params:
             dist.broadcast(p.data, 0)
@@ -480,12 +522,18 @@ def train(args):
                 f"{f('selector_loss', '.4f')} | slot acc {' '.join(f'{a:.2f}' for a in s['slot_acc'])} | AL unary "
                 f"{s['al_unary']:.2f} sel {f('al_selector', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | "
                 f"{tokens / (now - t_log):.0f} tok/s | eta {int(eta // 60)}m{int(eta % 60):02d}s")
+            if master:
+                record(args.out_dir, {"kind": "train", "step": step, **s, "loss": losses[step], "lr": lr,
+                                      "tokens_per_second": tokens / (now - t_log)})
             t_log, tokens = now, 0
         if master and ((args.save_every and step % args.save_every == 0) or step == total):
             save_checkpoint(drafter, optimizer, step, args.out_dir, args.export_dtype, meta)
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
         if master and ((args.eval_every and step % args.eval_every == 0) or step == total):
             summary = evaluate(drafter, target, tokenizer, val, args, device, log)
+            record(args.out_dir, {"kind": "eval", "step": step, **summary["val"], "al_t0": summary["al_t0"],
+                                  "al_t1": summary["al_t1"]})
+            plot_curves(args.out_dir)
 
     if world > 1:  # replicas must still be identical: compare per-tensor checksums across ranks
         sums = torch.stack([p.detach().double().sum() for p in params])
