@@ -248,3 +248,23 @@ def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     T.rewind_record(tmp_path, 3)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
+
+
+def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path):
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
+    T.regenerate(T.parse_args(["--target", world["target"], "--data", data, "--regenerate", str(tmp_path / "out.jsonl"),
+                               "--regen-max-new-tokens", "12"]), log=lambda *a: None)
+    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    tokenizer = T.load_tokenizer(world["target"], None)
+    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    ids = tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
+    new = []
+    with torch.no_grad():  # the plain argmax loop, no cache
+        while len(new) < 12:
+            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tokenizer.eos_token_id:
+                break
+            new.append(nxt)
+    want = tokenizer.decode(new)
+    assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
+                                  for r in rows), f"regenerated {rows}, the target's greedy answer is {want!r}"
