@@ -1,5 +1,5 @@
 """
-Chat data -> training rows for train.py (SPEC.md §6 Data, §9 Assistant masks, On-policy data).
+Chat data -> training rows for train.py (ALGORITHM.md §6 Data).
 
     conversations = read_conversations("chats.jsonl")       # [[{"role", "content"}, ...], ...]
     conversations = regenerate_conversations(target, tokenizer, conversations)   # the target's own answers

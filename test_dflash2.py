@@ -1,4 +1,4 @@
-"""Core tests of dflash2.py (SPEC §1-§3, §6): drafter, local convolution, candidate
+"""Core tests of dflash2.py (ALGORITHM.md §1-§3, §6): drafter, local convolution, candidate
 selector, block masking, anchors, loss and metrics. Every hand-written piece is checked
 against an independent reference (a naive loop, brute force or exact enumeration) on tiny
 random Qwen3 targets built from a config; nothing is downloaded. Comparisons run in
@@ -135,7 +135,7 @@ def max_diff(a, b):
 
 
 # -----------------------------------------------------------------------------
-# independent references: plain python loops over the formulas of SPEC.md
+# independent references: plain python loops over the formulas of ALGORITHM.md
 
 
 def ref_rms(x, weight, eps):
@@ -198,7 +198,7 @@ def ref_conv(x, delta, base, block_size):
 
 
 def ref_layer(layer, h, ctx, blk_pos, ctx_pos, allowed, block_size):
-    """Pre-norm layer with the convolution around both sublayers (SPEC §2 placement)."""
+    """Pre-norm layer with the convolution around both sublayers (ALGORITHM.md §2 placement)."""
     eps = layer.input_layernorm.eps
 
     def convolved(conv, u, sublayer):
@@ -317,7 +317,7 @@ def test_from_target_copies_the_target_shape():
 
 
 def test_default_target_layer_ids():
-    # SPEC §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
+    # ALGORITHM.md §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
     got = default_target_layer_ids(36), default_target_layer_ids(36, num_features=1)
     assert got == ([1, 9, 17, 25, 33], [18]), f"36 layers: {got}, want [1, 9, 17, 25, 33] and [18]"
     for L in range(1, 40):

@@ -3,7 +3,7 @@
 Every check runs against an independent reference: a naive greedy loop without a cache,
 exact enumeration of one draft-verify cycle's law, the target's exact joint over all
 short continuations (chi-square), fresh prefills for the cache rollback, and the
-checkpoint contract written out from SPEC §7. Tiny random float64 targets from
+checkpoint contract written out from ALGORITHM.md §7. Tiny random float64 targets from
 transformers.Qwen3Config, nothing downloaded.
 """
 import itertools
@@ -607,7 +607,7 @@ def test_generator_reproduces_sampling_without_the_global_rng(target, drafter, g
 # checkpoints (§7)
 
 
-# SPEC §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
+# ALGORITHM.md §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
 # 2 draft layers, 4 heads / 2 KV heads of 8, V = 32, Kc = 2, G = 8, R = 4.
 def spec_tensor_shapes(dflash2):
     H, I, n, L, nh, nkv, hd, V, Kc, G, R = 32, 64, 2, 2, 4, 2, 8, 32, 2, 8, 4

@@ -1,5 +1,5 @@
 """
-Train a DFlash2 drafter against a frozen target (SPEC.md §6). A script, not a framework:
+Train a DFlash2 drafter against a frozen target (ALGORITHM.md §6). A script, not a framework:
 arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -> export.
 
     python train.py                                  # offline demo: ~9 min on 2 CPU cores, first run
@@ -52,7 +52,7 @@ def at_least(low, kind=int, strict=False):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Train a DFlash2 drafter (SPEC.md §6).",
+    p = argparse.ArgumentParser(description="Train a DFlash2 drafter (ALGORITHM.md §6).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("target and data")
     g.add_argument("--target", help="HF model folder or hub id of the frozen target; unset: the offline tiny "
@@ -78,7 +78,7 @@ def parse_args(argv=None):
     g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
     g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
     g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
-                   help="comma-separated target layers feeding the context; unset: the SPEC §1 rule")
+                   help="comma-separated target layers feeding the context; unset: the ALGORITHM.md §1 rule")
     g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
     g.add_argument("--conv-group-size", type=at_least(1), default=16, help="channels per dynamic coefficient G")
     g.add_argument("--selector-rank", type=at_least(1), default=256, help="candidate selector rank R")
