@@ -39,11 +39,13 @@ import shutil
 import tempfile
 import time
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 # -----------------------------------------------------------------------------
 # config
@@ -422,6 +424,7 @@ class DFlash2Drafter(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.candidate_selector = CandidateSelector(c) if c.selector_top_k else None
+        self.grad_checkpoint = False  # True: keep only each layer's input, recompute the layer in backward
         init_weights(self)
 
     def forward(self, block_embeds, block_pos, ctx_features, ctx_pos, mask=None, cache=None):
@@ -435,7 +438,11 @@ class DFlash2Drafter(nn.Module):
         ctx_rope = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, block_embeds.dtype)
         h = block_embeds
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, block_rope, ctx_rope, mask, cache, i)
+            if self.grad_checkpoint and torch.is_grad_enabled():
+                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, block_rope, ctx_rope, mask, cache, i,
+                                                      use_reentrant=False)
+            else:
+                h = layer(h, ctx, block_rope, ctx_rope, mask, cache, i)
         if cache is not None:
             cache.length += ctx_features.shape[1]
         return self.norm(h)
@@ -531,22 +538,76 @@ def expected_acceptance_length(correct):
     return 1 + correct.long().cumprod(-1).sum(-1).float()
 
 
-def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, target_logits,
-                 anchors, anchor_valid, loss_type="kl", gamma=None, alpha=1.0, detach_selector=False):
+def head_logits(lm_head, x):
+    """lm_head(x), at least fp32: bf16 logits under autocast are upcast, float64 stays float64."""
+    y = lm_head(x.to(lm_head.weight.dtype))
+    return y.to(torch.promote_types(y.dtype, torch.float32))
+
+
+def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False):
+    """The §6 terms of each slot, for slots laid out any way (...):
+
+        unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
+                ce: −log q_y,                     y = argmax ref (the target's token)
+        sel     −log softmax_K(E(prev, C))_y,     C = topk(unary, K), E the edge scores (§3)
+
+    h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
+    predecessor ids -> (unary term, selector CE, y ∈ C), each (...); the last two are None
+    without a selector. The CE is meaningless where y ∉ C: the caller weights it by y ∈ C."""
+    logq = F.log_softmax(unary, dim=-1)
+    label = ref.argmax(-1)
+    if loss_type == "kl":
+        p = F.softmax(ref, dim=-1)  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
+        term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
+    else:
+        term = -logq.gather(-1, label[..., None]).squeeze(-1)
+    if selector is None:
+        return term, None, None
+    h, unary = (h.detach(), unary.detach()) if detach_selector else (h, unary)
+    cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
+    hit = cand == label[..., None]
+    scores = selector.edge_scores(h, unary, prev, cand)
+    ce = F.cross_entropy(scores.flatten(0, -2), hit.float().argmax(-1).flatten(), reduction="none")
+    return term, ce.view_as(label), hit.any(-1)
+
+
+def weighted_sums(drafter, lm_head, loss_type, detach_selector, h, ref_h, prev, w):
+    """Σ w·unary term, and with a selector Σ w·CE and Σ w over slots whose label is among
+    the candidates, for a run of slots: h / ref_h (n, H) drafter / target final hidden
+    states, prev / w (n,). Only (n, V) logits live here, so n bounds the loss's memory."""
+    term, ce, hit = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev,
+                                drafter.candidate_selector, loss_type, detach_selector)
+    if ce is None:
+        return ((w * term).sum(),)
+    ws = w * hit
+    return (w * term).sum(), (ws * ce.to(term.dtype)).sum(), ws.sum()
+
+
+def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
+                 loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
-    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1.
-    L_unary: forward KL(target ‖ draft) or CE on the target argmax, weighted by
-    w_k = exp(-(k-1)/γ) and normalised by Σw. L_sel: K-way CE of the edge scores with the
-    data token at t - 1 as predecessor (teacher forcing; slot 1's is the anchor), over
-    slots whose label is among the top-K (the selector can never pick any other)."""
+    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1, computed here
+    as lm_head(hidden_states[-1][t - 1]) for counted slots only (HF's last hidden state is
+    taken after the final norm): the target's (b, S, V) logits are never needed.
+    L_unary = Σ w·term / Σ w with w_k = exp(-(k-1)/γ); L_sel = Σ w·CE / Σ w over the slots
+    whose label is among the top-K (the selector can never pick any other); slot_losses has
+    the terms. The predecessor is the data token at t - 1 (teacher forcing; slot 1's is the anchor).
+
+    chunk_size None: all counted slots at once, (n, V) logits for all n of them. An int:
+    chunk_size slots at a time, recomputed in backward (torch.utils.checkpoint), so the
+    vocabulary-wide tensors are (chunk_size, V) whatever N is; same loss and gradients.
+    with_metrics: the §6 metrics, and every stat as a float (a host sync each). False on
+    training steps: stats hold only the loss terms, as detached tensors."""
     if loss_type not in ("kl", "ce"):
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
     if not alpha >= 0:
         raise ValueError(f"alpha ({alpha}) must be >= 0")
+    if chunk_size is not None and chunk_size < 1:
+        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1 (or None for every slot at once)")
     c = drafter.config
     B, (b, S) = c.block_size, input_ids.shape
     N = anchors.shape[1]
@@ -559,68 +620,75 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
     h = drafter(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
-    unary = lm_head(h.to(lm_head.weight.dtype)).float()                                     # (b, N, B-1, V)
 
     t = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)           # (b, N, B-1)
     t_in = t.clamp(max=S - 1)
     counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.view(b, -1)).view_as(t)
-    ref = target_logits.float().gather(1, (t_in - 1).view(b, -1, 1).expand(-1, -1, target_logits.shape[-1]))
-    ref = ref.view(b, N, B - 1, -1)                                               # (b, N, B-1, V)
-    label = ref.argmax(-1)                                                        # (b, N, B-1)
-    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=torch.float) / gamma).expand_as(counted)
+    rows = torch.arange(b, device=input_ids.device)[:, None, None]
+    prev = input_ids[rows, t_in - 1]                   # (b, N, B-1) data token at t-1 (slot 1: the anchor)
+    ref_h = hidden_states[-1][rows, t_in - 1]          # (b, N, B-1, H) the target's final hidden state at t-1
+    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=torch.float) / gamma) * counted
 
-    logq = F.log_softmax(unary, dim=-1)
-    if loss_type == "kl":
-        p = F.softmax(ref, dim=-1)  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
-        per_slot = (torch.special.xlogy(p, p) - p * logq).sum(-1)
-    else:
-        per_slot = -logq.gather(-1, label[..., None]).squeeze(-1)
-    wc = w * counted
-    unary_loss = (wc * per_slot).sum() / wc.sum().clamp(min=1e-9)
-    loss, stats = unary_loss, {}
-
-    prev = input_ids.gather(1, (t_in - 1).view(b, -1)).view_as(t)  # data token at t-1 (slot 1: the anchor)
+    idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
+    slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
+    sums = functools.partial(weighted_sums, drafter, lm_head, loss_type, detach_selector)
+    n = chunk_size or max(1, len(idx))
+    parts = []
+    for i in range(0, max(1, len(idx)), n):
+        chunk = [x[i:i + n] for x in slots]
+        parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if chunk_size
+                     else sums(*chunk))
+    totals = [sum(p) for p in zip(*parts)]
+    loss = unary_loss = totals[0] / w.sum().clamp(min=1e-9)
+    stats = {"unary_loss": unary_loss.detach()}
     if c.selector_top_k:
-        h_s, u_s = (h.detach(), unary.detach()) if detach_selector else (h, unary)
-        cand = u_s.topk(c.selector_top_k, dim=-1).indices                 # (b, N, B-1, K)
-        scores = drafter.candidate_selector.edge_scores(h_s, u_s, prev, cand)
-        hit = cand == label[..., None]
-        ws = wc * hit.any(-1)
-        ce = F.cross_entropy(scores.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none")
-        selector_loss = (ws.flatten() * ce).sum() / ws.sum().clamp(min=1e-9)
+        selector_loss = totals[1] / totals[2].clamp(min=1e-9)
         loss = loss + alpha * selector_loss
-        stats["selector_loss"] = selector_loss.item()
-
-    with torch.no_grad():
-        stats.update(_metrics(drafter, h, unary, label, counted, prev))
-    stats["loss"], stats["unary_loss"] = loss.item(), unary_loss.item()
+        stats["selector_loss"] = selector_loss.detach()
+    stats["loss"] = loss.detach()
+    if with_metrics:
+        with torch.no_grad():
+            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size))
+        stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
     return loss, stats
 
 
-def _metrics(drafter, h, unary, label, counted, prev):
-    """§6 metrics over counted slots; a slot that isn't counted ends an acceptance run.
-    h (b, N, B-1, H), unary (b, N, B-1, V), label/counted/prev (b, N, B-1)."""
-    c = drafter.config
+def _metric_hits(drafter, lm_head, h, ref_h, prev):
+    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) bool per metric: unary
+    argmax right, label among the top-K, teacher-forced selector pick right, and the
+    self-conditioned walk right (it feeds its own choices forward from the anchor)."""
+    unary, label = head_logits(lm_head, h), head_logits(lm_head, ref_h).argmax(-1)
+    hits = {"unary": unary.argmax(-1) == label}
+    sel = drafter.candidate_selector
+    if sel is not None:
+        cand = unary.topk(sel.top_k, dim=-1).indices
+        tf_pick = cand.gather(-1, sel.edge_scores(h, unary, prev, cand).argmax(-1, keepdim=True)).squeeze(-1)
+        hits.update(oracle=(cand == label[..., None]).any(-1), tf=tf_pick == label,
+                    walk=sel.walk(h, unary, prev[:, 0])[0] == label)
+    return hits
+
+
+def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size):
+    """§6 metrics over counted slots, a chunk of whole blocks at a time (the walk runs
+    along a block); a slot that isn't counted ends an acceptance run.
+    h / ref_h (b, N, B-1, H), prev / counted (b, N, B-1)."""
+    flat = [x.flatten(0, 1) for x in (h, ref_h, prev)]
+    M = len(flat[0])
+    size = M if chunk_size is None else max(1, chunk_size // counted.shape[-1])
+    parts = [_metric_hits(drafter, lm_head, *(x[i:i + size] for x in flat)) for i in range(0, M, size)]
+    hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
     blocks = counted[..., 0]
     n_blocks = blocks.sum().clamp(min=1)
     per_slot = lambda hit, among: ((hit & among).sum((0, 1)) / among.sum((0, 1)).clamp(min=1)).tolist()
     overall = lambda hit: ((hit & counted).sum() / counted.sum().clamp(min=1)).item()
     mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
-    greedy_hit = unary.argmax(-1) == label
-    m = {"slot_acc": per_slot(greedy_hit, counted), "al_unary": mean_al(greedy_hit)}
-    if c.selector_top_k:
-        sel, (b, N, n, H) = drafter.candidate_selector, h.shape
-        cand = unary.topk(c.selector_top_k, dim=-1).indices
-        topk_hit = (cand == label[..., None]).any(-1)
-        tf_pick = cand.gather(-1, sel.edge_scores(h, unary, prev, cand).argmax(-1, keepdim=True)).squeeze(-1)
-        # self-conditioned: the walk feeds its own choices forward, starting at the anchor
-        path = sel.walk(h.reshape(b * N, n, H), unary.reshape(b * N, n, -1), prev[..., 0].reshape(-1))[0]
-        walk_hit = path.view(b, N, n) == label
-        run = (walk_hit & counted).long().cumprod(-1).bool()
+    m = {"slot_acc": per_slot(hit["unary"], counted), "al_unary": mean_al(hit["unary"])}
+    if "walk" in hit:
+        run = (hit["walk"] & counted).long().cumprod(-1).bool()
         reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right
-        m.update(recall_at_k=overall(topk_hit), selector_tf_acc=overall(tf_pick == label),
-                 selector_path_acc=per_slot(walk_hit, reached),
-                 al_selector=mean_al(walk_hit), al_oracle=mean_al(topk_hit))
+        m.update(recall_at_k=overall(hit["oracle"]), selector_tf_acc=overall(hit["tf"]),
+                 selector_path_acc=per_slot(hit["walk"], reached),
+                 al_selector=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]))
     return m
 
 

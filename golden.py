@@ -109,8 +109,7 @@ def block_inputs(drafter, target, batch):
 
 def loss_terms(drafter, target, batch, inputs, loss_type):
     return dflash2.dflash2_loss(drafter, target, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                inputs["hidden_states"], inputs["target_logits"], batch["anchors"],
-                                batch["anchor_valid"], loss_type=loss_type)
+                                inputs["hidden_states"], batch["anchors"], batch["anchor_valid"], loss_type=loss_type)
 
 
 def greedy_trace(drafter, target, prompt):

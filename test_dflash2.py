@@ -14,7 +14,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv,
                      block_attention_mask, block_layout, context_features, default_gamma,
                      default_target_layer_ids, dflash2_loss, expected_acceptance_length, local_conv,
-                     sample_anchors)
+                     sample_anchors, slot_losses)
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
 MASK_ID = V - 1           # never drawn as a data token
@@ -94,7 +94,19 @@ def make_batch(target, seed=0):
     with torch.no_grad():
         out = target(input_ids, attention_mask=attention_mask, output_hidden_states=True)
     return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                hidden_states=out.hidden_states, target_logits=out.logits)
+                hidden_states=out.hidden_states)
+
+
+def model_logits(target, batch):
+    """(b, S, V) logits as the target's own forward returns them: the reference for the
+    loss's lm_head(hidden_states[-1])."""
+    with torch.no_grad():
+        return target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+
+
+def with_last_hidden(batch, G):
+    """The batch with G (b, S, H) as the target's final hidden state: target logits lm_head(G)."""
+    return {**batch, "hidden_states": (*batch["hidden_states"][:-1], G)}
 
 
 @pytest.fixture(scope="module")
@@ -332,7 +344,8 @@ def test_bad_arguments_of_the_training_functions(target, batch):
                                                    anchor_valid=VALID, **kw)
     for kw, message in ((dict(loss_type="mse"), r"loss_type \('mse'\) must be 'kl' or 'ce'"),
                         (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
-                        (dict(alpha=-1.0), r"alpha \(-1.0\) must be >= 0")):
+                        (dict(alpha=-1.0), r"alpha \(-1.0\) must be >= 0"),
+                        (dict(chunk_size=0), r"chunk_size \(0\) must be >= 1")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
@@ -376,8 +389,9 @@ def test_shapes_and_dtypes(target, batch):
         f"v1 propose: path {tuple(path.shape)}, cand {tuple(cand.shape)}, q {tuple(q.shape)}; q must span all of V"
 
     loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)
-    assert loss.dim() == 0 and loss.dtype == torch.float32 and loss.requires_grad, \
-        f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float32 scalar with grad"
+    assert loss.dim() == 0 and loss.dtype == torch.float64 and loss.requires_grad, \
+        f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
+        "(at least fp32: float64 under a float64 drafter)"
     keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
             "selector_path_acc", "al_selector", "al_oracle"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
@@ -751,10 +765,11 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
     sel, gamma, alpha = drafter.candidate_selector, 2.5, 0.7
     for loss_type in ("kl", "ce"):
         loss, stats, h, unary = loss_and_logits(drafter, target, batch, loss_type=loss_type, gamma=gamma, alpha=alpha)
+        logits = model_logits(target, batch)
         num = den = sel_num = sel_den = 0.0
         for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
             w = math.exp(-(k - 1) / gamma)
-            ref = batch["target_logits"][n, t - 1]
+            ref = logits[n, t - 1]
             logp, logq = F.log_softmax(ref, -1), F.log_softmax(unary[n, j, k - 1], -1)
             label = ref.argmax().item()
             term = (logp.exp() * (logp - logq)).sum().item() if loss_type == "kl" else -logq[label].item()
@@ -775,21 +790,18 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
         assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{loss_type}: loss {loss.item()} != loop {total}"
 
 
-def test_kl_with_minus_infinite_target_logits_is_finite(target, batch):
+def test_kl_with_minus_infinite_target_logits_is_finite():
     """Masked target logits (-inf) give p = 0; those terms are 0, not 0·(-inf) = NaN.
     Reference: the loop over the vocabulary that skips p = 0."""
-    drafter = make_drafter(randomize=True)
-    masked = batch["target_logits"].clone()
-    masked[..., ::3] = float("-inf")
-    masked[..., 1] = 0.0  # every position keeps at least one finite logit
-    loss, stats, h, unary = loss_and_logits(drafter, target, {**batch, "target_logits": masked}, loss_type="kl", gamma=3.0)
-    num = den = 0.0
-    for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
-        p, logq = F.softmax(masked[n, t - 1], -1), F.log_softmax(unary[n, j, k - 1], -1)
-        term = sum(p[v].item() * (math.log(p[v].item()) - logq[v].item()) for v in range(V) if p[v] > 0)
-        num, den = num + math.exp(-(k - 1) / 3.0) * term, den + math.exp(-(k - 1) / 3.0)
-    assert math.isfinite(stats["unary_loss"]) and abs(stats["unary_loss"] - num / den) < 1e-6 * (1 + num / den), (
-        f"unary_loss {stats['unary_loss']} != loop {num / den}")
+    g = torch.Generator().manual_seed(0)
+    unary, ref = (torch.randn(2, 3, V, generator=g, dtype=torch.float64) for _ in range(2))
+    ref[..., ::3] = float("-inf")
+    term = slot_losses(None, unary, ref, None, loss_type="kl")[0]
+    for i, j in ((0, 0), (1, 2)):
+        p, logq = F.softmax(ref[i, j], -1), F.log_softmax(unary[i, j], -1)
+        want = sum(p[v].item() * (math.log(p[v].item()) - logq[v].item()) for v in range(V) if p[v] > 0)
+        assert math.isfinite(term[i, j].item()) and abs(term[i, j].item() - want) < 1e-10 * (1 + want), \
+            f"slot ({i}, {j}): KL term {term[i, j].item()} != loop {want}"
 
 
 def echo_forward(G, shift=0, noise=None):
@@ -805,7 +817,7 @@ def echo_forward(G, shift=0, noise=None):
 def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monkeypatch):
     drafter = make_drafter()
     G = 10 * torch.randn(2, S, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
-    batch = {**batch, "target_logits": target.lm_head(G)}
+    batch = with_last_hidden(batch, G)
     kl = {}
     for shift in (-1, 0, 1):
         monkeypatch.setattr(drafter, "forward", echo_forward(G, shift))
@@ -838,14 +850,14 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
     ids, pos = block_layout(batch["input_ids"], anchors, B, MASK_ID)
     h = forward(None, pos, None, None).view(2, N, B, H)
     unary = target.lm_head(h[:, :, 1:])
-    batch = {**batch, "target_logits": target.lm_head(G)}
+    batch, logits = with_last_hidden(batch, G), target.lm_head(G)
     stats = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)[1]
 
     sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
     hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
     walks = {}
     for n, j, k, t in slots:
-        label = batch["target_logits"][n, t - 1].argmax().item()
+        label = logits[n, t - 1].argmax().item()
         u = unary[n, j, k - 1]
         cand = ref_topk(u, 5)
         scores = [ref_edge_score(sel, h[n, j, k], u, batch["input_ids"][n, t - 1].item(), c) for c in cand]
@@ -912,6 +924,92 @@ def test_detach_selector_keeps_the_selector_loss_out_of_the_backbone(target, bat
     assert coupling > 1e-6, f"without detach the selector loss moves the backbone gradient by only {coupling:.3g}"
     dead = [name for name, g in detached.items() if name.startswith("candidate_selector.") and not g.any()]
     assert not dead, f"detach_selector also cut the selector's own gradient: {dead}"
+
+
+def test_target_logits_are_lm_head_of_the_last_hidden_state(target, batch):
+    """The loss computes the target's logits itself, as lm_head(hidden_states[-1]) at t - 1:
+    HF's last hidden state must be the one after the final norm."""
+    got, want = target.lm_head(batch["hidden_states"][-1]), model_logits(target, batch)
+    assert max_diff(got, want) < 1e-12, \
+        f"lm_head(hidden_states[-1]) differs from the target's own logits by {max_diff(got, want):.3g}"
+
+
+def loss_and_grads(drafter, target, batch, **kw):
+    drafter.zero_grad(set_to_none=True)
+    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, **kw)
+    loss.backward()
+    return loss.item(), stats, {name: p.grad.clone() for name, p in drafter.named_parameters()}
+
+
+def assert_same_loss(got, want, what, tol):
+    (loss, stats, grads), (want_loss, want_stats, want_grads) = got, want
+    assert abs(loss - want_loss) < tol * (1 + abs(want_loss)), f"{what}: loss {loss} != {want_loss}"
+    for key, value in want_stats.items():
+        diff = max_diff(torch.tensor(stats[key], dtype=torch.float64), torch.tensor(value, dtype=torch.float64))
+        assert diff < tol, f"{what}: stats[{key!r}] {stats[key]} != {value}"
+    for name, g in want_grads.items():
+        assert max_diff(grads[name], g) < tol * (1 + g.abs().max().item()), \
+            f"{what}: gradient of {name} differs by {max_diff(grads[name], g):.3g}"
+
+
+def edge_scores_float64(sel):
+    """sel.edge_scores without its cast to fp32 (kept on purpose, §9): fp32 scores would
+    hide a chunking error of 1e-10 behind rounding of 1e-7."""
+    def scores(h, unary, prev, cand):
+        pairwise = torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
+                                sel.successor_codebook[cand])
+        return unary.gather(-1, cand) + pairwise
+    return scores
+
+
+def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
+    """Chunks of counted slots, recomputed in backward: loss, stats and every gradient equal
+    the all-at-once computation, also for chunk sizes that do not divide the counted slots
+    (the test anchors leave slots of both rows uncounted). In float64 to 1e-10, then with
+    the real fp32 edge scores to fp32 rounding."""
+    drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
+    n = len(counted_slots(batch, ANCHORS, VALID))
+    real_scores = drafter.candidate_selector.edge_scores
+    monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
+    for kw in (dict(loss_type="kl"), dict(loss_type="ce", detach_selector=True)):
+        want = loss_and_grads(drafter, target, batch, **kw)
+        for chunk in (1, 5, n - 1, n, 10 * n):
+            assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,
+                             f"{kw}, chunk_size {chunk} of {n} slots", 1e-10)
+    monkeypatch.setattr(drafter.candidate_selector, "edge_scores", real_scores)
+    assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=5), loss_and_grads(drafter, target, batch),
+                     "fp32 edge scores, chunk_size 5", 1e-6)
+
+
+def test_training_steps_skip_the_metrics(target, batch, monkeypatch):
+    """with_metrics=False: no walk, no host sync; the loss terms come back as detached tensors."""
+    drafter = make_drafter(randomize=True)
+    want = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)[1]
+
+    def no_walk(*args, **kw):
+        raise AssertionError("with_metrics=False still walked the selector")
+    monkeypatch.setattr(drafter.candidate_selector, "walk", no_walk)
+    _, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, chunk_size=3,
+                            with_metrics=False)
+    assert set(stats) == {"loss", "unary_loss", "selector_loss"}, f"stats of a training step: {sorted(stats)}"
+    for key, value in stats.items():
+        assert torch.is_tensor(value) and not value.requires_grad and abs(value.item() - want[key]) < 1e-10, \
+            f"{key}: {value!r} should be a detached tensor equal to {want[key]}"
+
+
+def test_grad_checkpoint_gives_the_same_gradients(target, batch):
+    """drafter.grad_checkpoint recomputes each draft layer in backward (its forward runs
+    twice) and changes nothing else."""
+    drafter = make_drafter(randomize=True, selector_top_k=V)
+    calls = []
+    drafter.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
+    want = loss_and_grads(drafter, target, batch)
+    drafter.grad_checkpoint = True
+    n_plain = len(calls)
+    got = loss_and_grads(drafter, target, batch)
+    assert len(calls) - n_plain == 2 * n_plain, \
+        f"layer 0 ran {len(calls) - n_plain} times with grad_checkpoint, want {2 * n_plain} (forward + recompute)"
+    assert_same_loss(got, want, "grad_checkpoint", 1e-12)
 
 
 def test_overfits_a_fixed_batch():
