@@ -1,0 +1,237 @@
+"""
+Memory of DFlash2 training on one GPU: a plan read off the target's config before any
+weight is loaded, the measurements that check it, and a GPU check at real scale.
+
+    python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16
+    python memory.py --gpu-check                        # one H200, under 8 minutes
+
+Peak per GPU = fixed + batch_size · per sequence, where
+  fixed        = target weights + drafter weights, grads and AdamW state (fp32 master
+                 weights: 4 + 4 + 8 bytes a parameter) + the loss chunk;
+  per sequence = the target's hidden states (all L + 1 are returned and live through the
+                 loss) + the drafter's saved activations over N·B block tokens and S
+                 context tokens, layer by layer (or, with grad checkpointing, each layer's
+                 input plus one layer recomputed in backward).
+The activation counts below follow the tensors autograd saves in dflash2.py's drafter
+(fp32 residual stream and norms, linear inputs in bf16 under autocast, both sides of the
+convolution, keys and values repeated for GQA before attention); memory_table and
+test_memory.py check the plan against measured peaks.
+"""
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import dflash2
+
+GiB = 2 ** 30
+# AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
+DRAFTER_BYTES_PER_PARAM = 16
+# live (n, V) fp32 tensors at the peak of one chunk's recomputed backward (logits of the
+# drafter and of the target, log q, p, p·log q, gradients); 7 fits the measured peaks
+LOSS_TENSORS_PER_SLOT = 7
+
+
+# -----------------------------------------------------------------------------
+# the plan
+
+
+def read_target_config(path):
+    """The target's transformers config (config.json of a folder, or a hub id already in
+    the local cache); no weights are read."""
+    from transformers import AutoConfig
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # missing folder, malformed JSON, unknown model type, not cached
+        raise ValueError(f"cannot read the target's config at {path!r}: {e}") from e
+
+
+def drafter_config(target_config, **overrides):
+    """The drafter a run would build on this target (mask token 0: it changes no size)."""
+    return dflash2.DFlash2Config.from_target(target_config, **{"mask_token_id": 0, **overrides})
+
+
+def parameter_counts(target_config, c):
+    """(target, drafter) parameters, built on the meta device: shapes only, no memory."""
+    from transformers import AutoModelForCausalLM
+    with torch.device("meta"):
+        target = AutoModelForCausalLM.from_config(target_config)
+        drafter = dflash2.DFlash2Drafter(c)
+    count = lambda m: sum(p.numel() for p in m.parameters())  # tied embeddings counted once
+    return count(target), count(drafter)
+
+
+def layer_bytes(c, amp):
+    """Bytes one draft layer saves for backward, per block token, per key token and per
+    context token. amp: linears in bf16 under autocast, each call saving its own bf16
+    copy of an fp32 input; otherwise everything fp32 (CPU)."""
+    H, I, Q, KV, Kc = c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, \
+        c.conv_kernel_size
+    a = 2 if amp else 4                   # bytes of a linear's output
+    cast = 2 if amp else 0                # an extra bf16 copy of an fp32 linear input
+    norm = 8 * H + (0 if amp else 4 * H)  # fp32 residual + normalised x (+ the fp32 output a linear keeps)
+    conv_in = cast * H + 8 * H * Kc       # kernel projection input; per tap the shifted input and coefficient
+    conv_out = (4 + a) * H * Kc
+    heads = lambda n: (14 if amp else 16) * n  # q/k_norm in fp32 and RoPE's two rotated copies
+    attn = 3 * cast * H + (4 if amp else 0) * H + heads(Q) + heads(KV) + 3 * a * Q  # + sdpa q, out, o_proj in
+    mlp = 2 * cast * H + (0 if amp else 4 * H) + 4 * a * I
+    if not Kc:
+        conv_in = conv_out = 0
+    block = 2 * norm + 2 * conv_in + 2 * conv_out + attn + mlp
+    key = 2 * a * Q                       # keys and values after the GQA repeat
+    ctx = 2 * cast * H + heads(KV)        # k_proj / v_proj inputs and the context keys
+    return block, key, ctx
+
+
+def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False,
+                gpu_memory_gib=80.0, amp=True, target_bytes=2, **drafter_overrides):
+    """Estimated peak bytes of one training step per GPU, split into parts; loss_chunk None
+    is the unchunked loss. -> dict of bytes (ints) plus max_batch_size (0 if not even one
+    sequence fits gpu_memory_gib) and the shape it assumed."""
+    if loss_chunk is not None and loss_chunk < 1:
+        raise ValueError(f"loss_chunk ({loss_chunk}) must be >= 1 (or None for the unchunked loss)")
+    for name, value in (("seq_len", seq_len), ("max_anchors", max_anchors), ("batch_size", batch_size)):
+        if value < 1:
+            raise ValueError(f"{name} ({value}) must be >= 1")
+    c = drafter_config(target_config, **drafter_overrides)
+    n_target, n_drafter = parameter_counts(target_config, c)
+    S, B, H, V = seq_len, c.block_size, c.hidden_size, c.vocab_size
+    N = min(max_anchors, S - 1)
+    T, nf = N * B, len(c.target_layer_ids)
+    block, key, ctx = layer_bytes(c, amp)
+    layer = T * block + (S + T) * key + S * ctx
+    common = (S * nf * H * (4 + (2 if amp else 0))         # features in fp32, the fc input (bf16 copy)
+              + S * H * 16 + T * H * 16                    # hidden_norm / final norm internals
+              + T * (S + T) * (3 if amp else 5))           # block mask (bool) and the additive mask sdpa makes
+    # checkpointed layers keep only their inputs; in backward one layer at a time is
+    # recomputed, after the loss chunks are done, so the two peaks do not add up
+    stored = c.num_layers * (T * H * 4 if grad_checkpoint else layer) + common
+    recompute = layer if grad_checkpoint else 0
+    loss_at = lambda b: min(loss_chunk or b * N * (B - 1), b * N * (B - 1)) * V * 4 * LOSS_TENSORS_PER_SLOT
+    plan = {
+        "target_weights": n_target * target_bytes,
+        "drafter_states": n_drafter * DRAFTER_BYTES_PER_PARAM,
+        "loss_chunk": loss_at(batch_size),
+        "hidden_states_per_seq": (target_config.num_hidden_layers + 1) * S * H * target_bytes,
+        "activations_per_seq": stored,
+        "recompute_per_seq": recompute,
+    }
+    peak_at = lambda b: (plan["target_weights"] + plan["drafter_states"] + b * (plan["hidden_states_per_seq"] + stored)
+                         + max(loss_at(b), b * recompute))
+    fits = 0
+    while fits < 4096 and peak_at(fits + 1) <= gpu_memory_gib * GiB:
+        fits += 1
+    plan.update(peak=peak_at(batch_size), max_batch_size=fits, target_params=n_target, drafter_params=n_drafter,
+                shape=dict(seq_len=S, anchors=N, block_size=B, batch_size=batch_size, loss_chunk=loss_chunk,
+                           grad_checkpoint=grad_checkpoint, draft_layers=c.num_layers, gpu_memory_gib=gpu_memory_gib))
+    return plan
+
+
+def format_plan(plan):
+    """The plan as the lines --plan prints."""
+    s = plan["shape"]
+    gib = lambda x: f"{x / GiB:7.2f} GiB"
+    lines = [f"memory plan: seq {s['seq_len']}, {s['anchors']} anchors, B={s['block_size']}, batch "
+             f"{s['batch_size']}, loss chunk {s['loss_chunk']} slots, grad checkpoint "
+             f"{'on' if s['grad_checkpoint'] else 'off'}, {s['draft_layers']} draft layers",
+             f"  target weights              {gib(plan['target_weights'])}  ({plan['target_params'] / 1e9:.2f}B params)",
+             f"  drafter weights+grads+AdamW {gib(plan['drafter_states'])}  ({plan['drafter_params'] / 1e6:.0f}M params, fp32)",
+             f"  loss chunk                  {gib(plan['loss_chunk'])}",
+             f"  per sequence: hidden states {gib(plan['hidden_states_per_seq'])}",
+             f"  per sequence: activations   {gib(plan['activations_per_seq'])}",
+             f"  per sequence: one layer recomputed in backward {gib(plan['recompute_per_seq'])}",
+             f"  estimated peak              {gib(plan['peak'])}",
+             f"  largest batch in {s['gpu_memory_gib']:g} GiB:  {plan['max_batch_size']}"]
+    return "\n".join(lines)
+
+
+# -----------------------------------------------------------------------------
+# measurements: one training step, its peak memory in a fresh process
+
+
+def random_target(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, seed=0):
+    """A Qwen3 target with random weights (nothing downloaded)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                         max_position_embeddings=32768, tie_word_embeddings=False)
+    return Qwen3ForCausalLM(config).eval().requires_grad_(False)
+
+
+def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generator):
+    """One optimizer step as train.py takes it, loss_mask = all ones: the target's decoder
+    with hidden states (its lm_head only inside the loss), anchors, the loss without
+    metrics, backward, AdamW. -> loss (tensor)."""
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=ids, attention_mask=ones, output_hidden_states=True).hidden_states
+    anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors.to(ids.device),
+                                       valid.to(ids.device), chunk_size=loss_chunk, with_metrics=False)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def _measure_child(spec):
+    """In a fresh process: build target and drafter, take two steps (the second has AdamW
+    state), print the peak RSS above the RSS before anything was built, as JSON."""
+    import resource
+    torch.set_num_threads(1)
+    tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
+    warm = dict(spec, target=tiny, seq_len=16, max_anchors=2, batch_size=1, loss_chunk=spec["loss_chunk"] and 4)
+    _run(warm)  # lazy imports, kernel and thread-pool set-up are not the step's memory
+    base = _rss()
+    seconds = _run(spec)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(json.dumps({"peak": peak - base, "seconds": seconds}))
+
+
+def _run(spec):
+    target = random_target(**spec["target"])
+    drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **spec["drafter"]))
+    drafter.grad_checkpoint = spec["grad_checkpoint"]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec["target"]["vocab"] - 1, (spec["batch_size"], spec["seq_len"]), generator=g)
+    start = time.perf_counter()
+    for _ in range(2):
+        train_step(drafter, target, optimizer, ids, spec["max_anchors"], spec["loss_chunk"], g)
+    return (time.perf_counter() - start) / 2
+
+
+def measure_peak(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False):
+    """Peak CPU memory (bytes above the interpreter's own) of training steps at this shape,
+    in a subprocess with malloc returning every large block to the system on free, so peak
+    RSS is peak allocation. target: random_target's arguments; drafter: DFlash2Config
+    overrides. -> {"peak": bytes, "seconds": per step}."""
+    spec = dict(target=target, drafter=drafter, seq_len=seq_len, max_anchors=max_anchors, batch_size=batch_size,
+                loss_chunk=loss_chunk, grad_checkpoint=grad_checkpoint)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    code = f"import json, memory; memory._measure_child(json.loads({json.dumps(json.dumps(spec))}))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"memory measurement failed ({spec}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def target_config_of(target):
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=target["vocab"], hidden_size=target["hidden"], num_hidden_layers=target["layers"],
+                       num_attention_heads=target["heads"], num_key_value_heads=target["kv_heads"],
+                       head_dim=target["head_dim"], intermediate_size=target["intermediate"],
+                       max_position_embeddings=32768, tie_word_embeddings=False)
