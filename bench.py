@@ -1,16 +1,20 @@
 """
 DFlash2 measurements, in two parts.
 
-  ablation  train DFlash, +conv, +selector and DFlash2 against the offline tiny-world
-            target with the same data, steps and seed; measure real acceptance length
-            with spec_generate at T = 0 and T = 1, the unary / selector / oracle paths of
-            the DFlash2 drafter, end-to-end decoding speed, and plot per-slot acceptance.
+  ablation  train DFlash, +conv, +selector and DFlash2 with train.py against the offline
+            tiny-world target, same data and steps, for several seeds; measure real
+            acceptance length with spec_generate on held-out prompts at each temperature
+            (the selector drafters also with their selector switched off: the unary path),
+            the expected AL of the unary / selector / oracle top-K paths on validation
+            blocks, and the per-slot conditional acceptance. Every AL comes with a 95%
+            bootstrap interval that redraws both the training seeds and the prompts, so it
+            covers the run-to-run spread of training as well as the choice of prompts.
   cost      draft-step time at a Qwen3-4B-like drafter shape with random weights, with
             and without the convolution and the selector, the walk alone, and the
             training-step time of DFlash vs DFlash2 at a small shape.
 
-python bench.py            # everything (CPU: tens of minutes)
-python bench.py --quick    # a few minutes, for a smoke run
+python bench.py --parts ablation   # 3 seeds × 4 drafters, 64 prompts (2-core CPU: about an hour)
+python bench.py --quick            # a smoke run of both parts in about a minute
 """
 import argparse
 import copy
@@ -18,6 +22,7 @@ import dataclasses
 import json
 import math
 import os
+import shlex
 import statistics
 import time
 
@@ -41,10 +46,14 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="bench_out", help="where results.json, results.md and the plot go")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device for the cost part")
     g = p.add_argument_group("ablation")
-    g.add_argument("--seeds", type=int, default=1, help="training seeds per variant")
+    g.add_argument("--seeds", type=int, default=3, help="training seeds per variant")
     g.add_argument("--steps", type=int, default=None, help="drafter training steps per variant (default: train.py's)")
-    g.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts for spec_generate")
+    g.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--block-size 16'")
+    g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for spec_generate")
     g.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
+    g.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0],
+                   help="comma-separated sampling temperatures for spec_generate")
+    g.add_argument("--val-blocks", type=int, default=1024, help="validation blocks for the expected-AL metrics")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="train.py's offline-world cache")
     g = p.add_argument_group("cost")
@@ -131,7 +140,7 @@ def draft_step_cost(args):
     h = full(embed(block), pos, no_ctx, no_pos, cache=caches["DFlash2"])[:, 1:]
     unary = lm_head(h).float()
     fns["walk alone"] = lambda: full.candidate_selector.walk(h, unary, block[:, 0])
-    med = interleaved_medians(fns, 3 if quick else args.repeats, device=dev)
+    med = interleaved_medians(fns, 1 if quick else args.repeats, warmup=1 if quick else 2, device=dev)
     base = med["DFlash"]
     return {"shape": {**shape, "draft_layers": 5, "block": B, "K": 16, "R": 256, "context": args.context,
                       "dtype": args.dtype, "device": str(dev)},
@@ -158,11 +167,52 @@ def train_step_cost(args):
         loss, _ = D.dflash2_loss(d, target, ids, ones, ones, out.hidden_states, out.logits, anchors.to(dev), valid.to(dev))
         loss.backward()
     fns = {k: (lambda d=drafters[k]: step(d)) for k in ("DFlash", "DFlash2")}
-    med = interleaved_medians(fns, 3 if args.quick else 10, device=dev)
+    med = interleaved_medians(fns, 1 if args.quick else 10, warmup=1 if args.quick else 2, device=dev)
     return {"shape": {**shape, "draft_layers": 2, "seq": S, "batch": batch, "anchors": 64},
             "median_ms": {k: 1e3 * v for k, v in med.items()},
             "ratio_dflash2_vs_dflash": med["DFlash2"] / med["DFlash"]}
 
+
+
+# -----------------------------------------------------------------------------
+# statistics: a bootstrap over training seeds and prompts
+
+
+def bootstrap(arrays, fn, n=2000, seed=0):
+    """Two-level bootstrap: each replicate redraws the seeds (rows) and, independently, the
+    prompts (columns) with replacement, and applies fn to the resampled arrays. arrays:
+    tensors (S, P, ...) sharing their seeds and prompts, so a ratio of two of them is paired.
+    fn maps tensors (n, S, P, ...) to (n, ...). -> replicates (n, ...)."""
+    S, P = arrays[0].shape[:2]
+    g = torch.Generator().manual_seed(seed)
+    si, pi = torch.randint(S, (n, S, 1), generator=g), torch.randint(P, (n, 1, P), generator=g)
+    return fn(*(a[si, pi] for a in arrays))
+
+
+def interval(replicates, level=0.95):
+    """Percentile interval of bootstrap replicates (n, ...) -> (lo, hi)."""
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=replicates.dtype)
+    lo, hi = torch.quantile(replicates, q, dim=0)
+    return lo, hi
+
+
+def mean_ci(x):
+    """x (S, P) -> (mean, lo, hi) of the mean over seeds and prompts."""
+    lo, hi = interval(bootstrap([x], lambda a: a.mean((1, 2))))
+    return x.mean().item(), lo.item(), hi.item()
+
+
+def ratio_ci(x, y):
+    """(S, P) each, paired by seed and prompt -> (mean(x) / mean(y), lo, hi)."""
+    lo, hi = interval(bootstrap([x, y], lambda a, b: a.mean((1, 2)) / b.mean((1, 2))))
+    return (x.mean() / y.mean()).item(), lo.item(), hi.item()
+
+
+def slot_ci(accepted, reached):
+    """(S, P, B-1) counts -> per-slot P(accepted | reached) and its (lo, hi) bands."""
+    rate = lambda a, r: a.sum((1, 2)) / r.sum((1, 2)).clamp(min=1)
+    lo, hi = interval(bootstrap([accepted, reached], rate))
+    return rate(accepted[None], reached[None])[0].tolist(), lo.tolist(), hi.tolist()
 
 
 # -----------------------------------------------------------------------------
@@ -177,71 +227,122 @@ def without_selector(drafter):
 
 
 def spec_eval(drafter, target, prompts, args, temperature, stop_id):
-    """Real acceptance length per prompt, slot-wise acceptance counts and decoding speed."""
+    """Real acceptance length and the slot-wise counts per prompt, decoding speed overall."""
     gen = torch.Generator().manual_seed(0)
-    als, accepted, cycles, forwards, tokens, seconds = [], None, 0, 0, 0, 0.0
+    out = {"al": [], "accepted": [], "reached": [], "target_forwards": 0, "new_tokens": 0, "seconds": 0.0}
     for p in prompts:
         _, s = D.spec_generate(drafter, target, p, args.eval_tokens, temperature, stop_token_ids=[stop_id], generator=gen)
-        als.append(s.mean_acceptance_length)
-        accepted = s.accepted_per_slot if accepted is None else [a + b for a, b in zip(accepted, s.accepted_per_slot)]
-        cycles, forwards, tokens, seconds = (cycles + len(s.acceptance_lengths), forwards + s.target_forwards,
-                                             tokens + s.new_tokens, seconds + s.decode_seconds)
-    reached = [cycles] + accepted[:-1]  # slot k is reached when slots < k were all accepted
-    return {"al_mean": statistics.mean(als), "al_se": statistics.stdev(als) / math.sqrt(len(als)) if len(als) > 1 else 0.0,
-            "slot_acceptance": [a / max(1, r) for a, r in zip(accepted, reached)],
-            "tokens_per_s": tokens / seconds, "target_forwards_per_token": forwards / tokens}
+        out["al"].append(s.mean_acceptance_length)
+        out["accepted"].append(s.accepted_per_slot)
+        out["reached"].append([len(s.acceptance_lengths)] + s.accepted_per_slot[:-1])  # slots < k all accepted
+        out["target_forwards"] += s.target_forwards
+        out["new_tokens"] += s.new_tokens
+        out["seconds"] += s.decode_seconds
+    return out
+
+
+@torch.no_grad()
+def val_metrics(drafter, target, val, targs, pad_id, min_blocks):
+    """train.py's validation metrics averaged over blocks (not batches), on at least
+    min_blocks blocks: extra passes over the rows draw new anchors."""
+    import train as T
+    gen, total, n_blocks = torch.Generator().manual_seed(0), {}, 0
+    while n_blocks < min_blocks:
+        for i in range(0, len(val), targs.batch_size):
+            batch = T.collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
+            peek = torch.Generator()
+            peek.set_state(gen.get_state())  # the anchors loss_step is about to draw, to count them
+            n = int(D.sample_anchors(batch[2], targs.max_anchors, peek)[1].sum())
+            stats = T.loss_step(drafter, target, batch, targs, gen)[1]
+            for k, v in stats.items():
+                total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
+                    else total.get(k, 0) + n * v
+            n_blocks += n
+    return {"blocks": n_blocks, **{k: [x / n_blocks for x in v] if isinstance(v, list) else v / n_blocks
+                                   for k, v in total.items()}}
 
 
 def ablation(args):
     import train as T  # the same training code path as `python train.py`
     import tiny_world as W
-    base = ["--cache-dir", args.cache_dir, "--export-dtype", "float32", "--eval-prompts", "2"]
-    if args.quick:  # a barely trained target and the first 64 conversations: checks the plumbing, not the numbers
-        W.tiny_world(args.cache_dir, 20)
-        quick_data = os.path.join(args.out_dir, "quick-conversations.jsonl")
-        with open(os.path.join(args.cache_dir, "stdlib-conversations.jsonl")) as src, open(quick_data, "w") as dst:
-            dst.writelines(line for _, line in zip(range(64), src))
-        base += ["--tiny-pretrain-steps", "20", "--data", quick_data, "--steps", "4", "--val-size", "8",
-                 "--eval-new-tokens", "8", "--batch-size", "4", "--seq-len", "256"]
-    elif args.steps:
-        base += ["--steps", str(args.steps)]
+    defaults = T.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
+    if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
+        target_path, data_path = W.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16"]
+    else:
+        target_path, data_path = W.tiny_world(args.cache_dir, defaults.tiny_pretrain_steps)
+        base = ["--steps", str(args.steps)] if args.steps else []
+    val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
+    base = ["--target", target_path, "--data", data_path, "--cache-dir", args.cache_dir, "--val-size", str(val_size),
+            "--export-dtype", "float32", "--eval-prompts", "1", "--eval-new-tokens", "8", *base,
+            *shlex.split(args.train_flags)]
     runs = {}
     for seed in range(args.seeds):
         for name, (taps, top_k) in VARIANTS.items():
             out = os.path.join(args.out_dir, f"{name}-seed{seed}")
             t0 = time.time()
-            summary = T.train(T.parse_args(base + ["--out-dir", out, "--seed", str(seed), "--conv-kernel-size",
-                                                   str(taps), "--selector-top-k", str(top_k)]))
-            runs[name, seed] = {"summary": summary, "train_seconds": time.time() - t0,
-                                "checkpoint": os.path.join(out, "checkpoint")}
+            T.train(T.parse_args(base + ["--out-dir", out, "--seed", str(seed), "--conv-kernel-size", str(taps),
+                                         "--selector-top-k", str(top_k)]))
+            runs[name, seed] = {"train_seconds": time.time() - t0, "checkpoint": os.path.join(out, "checkpoint")}
 
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
     targs = T.parse_args(base)
-    target_path, data_path = W.tiny_world(args.cache_dir, targs.tiny_pretrain_steps)  # cached by the runs above
-    data_path = targs.data or data_path
     tokenizer = T.transformers.AutoTokenizer.from_pretrained(target_path)
     target = T.transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
-    rows = T.load_rows(data_path, "train", tokenizer, targs.seq_len, args.cache_dir)
+    rows = T.load_rows(data_path, "train", tokenizer, targs.seq_len, log=lambda *a: None)
     val = rows.select(range(len(rows) - targs.val_size, len(rows)))
     prompts = [r["input_ids"][None, :int(r["loss_mask"].nonzero()[0])] for r in val][:args.eval_prompts]
 
-    results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": args.seeds, "variants": {}}
+    results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": args.seeds,
+               "temperatures": args.temperatures, "train_flags": base[2:], "variants": {}}
     for name in VARIANTS:
-        per_seed = []
         for seed in range(args.seeds):
-            run = runs[name, seed]
-            drafter = D.DFlash2Drafter.from_pretrained(run["checkpoint"]).eval()
-            r = {"train_seconds": run["train_seconds"], "val": run["summary"]["val"]}
-            for temperature in (0.0, 1.0):
-                r[f"T={temperature:g}"] = spec_eval(drafter, target, prompts, args, temperature, tokenizer.eos_token_id)
-                if drafter.config.selector_top_k:
-                    r[f"T={temperature:g} unary path"] = spec_eval(without_selector(drafter), target, prompts, args,
-                                                                   temperature, tokenizer.eos_token_id)
-            per_seed.append(r)
-        results["variants"][name] = per_seed
-    baseline = [D.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1] for p in prompts]
+            # a partial variant exports as a full DFlash2 with its missing part at the identity (§9);
+            # +conv then proposes through its own unary path, as a drafter with no selector does
+            drafter = D.DFlash2Drafter.from_pretrained(runs[name, seed]["checkpoint"]).eval()
+            unary = without_selector(drafter)
+            paths = {name: drafter, f"{name}, unary path": unary} if VARIANTS[name][1] else {name: unary}
+            val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
+            for label, d in paths.items():
+                r = results["variants"].setdefault(label, {"train_seconds": [], "val": [], "spec": {}})
+                if label == name:
+                    r["train_seconds"].append(runs[name, seed]["train_seconds"])
+                    r["val"].append(val_stats)
+                for t in args.temperatures:
+                    r["spec"].setdefault(f"T={t:g}", []).append(spec_eval(d, target, prompts, args, t,
+                                                                          tokenizer.eos_token_id))
+    baseline = [D.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
+                for p in prompts]
     results["autoregressive_tokens_per_s"] = sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline)
+    summarize(results)
     return results
+
+
+def summarize(a):
+    """Means and 95% bootstrap intervals over (seeds × prompts), written into the results."""
+    grid = lambda label, t, key: torch.tensor([run[key] for run in a["variants"][label]["spec"][t]], dtype=torch.float64)
+    a["summary"] = {}
+    for label, r in a["variants"].items():
+        s = a["summary"][label] = {}
+        for t in r["spec"]:
+            runs = r["spec"][t]
+            s[t] = {"al": mean_ci(grid(label, t, "al")),
+                    "slot_acceptance": slot_ci(grid(label, t, "accepted"), grid(label, t, "reached")),
+                    "tokens_per_s": sum(x["new_tokens"] for x in runs) / sum(x["seconds"] for x in runs),
+                    "target_forwards_per_token": sum(x["target_forwards"] for x in runs) /
+                                                 sum(x["new_tokens"] for x in runs)}
+            base = label.removesuffix(", unary path")
+            if label != "DFlash" and label == base:
+                s[t]["ratio_vs_dflash"] = ratio_ci(grid(label, t, "al"), grid("DFlash", t, "al"))
+            if f"{label}, unary path" in a["variants"]:
+                s[t]["ratio_vs_unary_path"] = ratio_ci(grid(label, t, "al"), grid(f"{label}, unary path", t, "al"))
+        if r["val"]:
+            s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in
+                        ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc")
+                        if k in r["val"][0]}
+            s["val"]["selector_path_acc"] = [statistics.mean(x) for x in zip(*(v["selector_path_acc"] for v in r["val"]))] \
+                if "selector_path_acc" in r["val"][0] else None
+            s["val"]["slot_acc"] = [statistics.mean(x) for x in zip(*(v["slot_acc"] for v in r["val"]))]
 
 
 # -----------------------------------------------------------------------------
@@ -252,24 +353,28 @@ def markdown(results):
     lines = []
     if "ablation" in results:
         a = results["ablation"]
-        mean = lambda xs: statistics.mean(xs)
-        lines += [f"Ablation: real acceptance length (mean ± s.e. over {a['prompts']} held-out prompts, "
-                  f"≤ {a['max_new_tokens']} new tokens, {a['seeds']} seed(s); tokens/s and target forwards "
-                  f"per token at T = 0; autoregressive baseline {a['autoregressive_tokens_per_s']:.1f} tok/s)", "",
-                  "| drafter | AL T=0 | AL T=1 | expected AL unary / selector / oracle (val) | tok/s | target fwd / token |",
-                  "|---|---|---|---|---|---|"]
-        for name, per_seed in a["variants"].items():
-            for label, key in ((name, ""), (f"{name}, unary path", " unary path")):
-                if f"T=0{key}" not in per_seed[0]:
-                    continue
-                al = lambda t: f"{mean([r[f'T={t}{key}']['al_mean'] for r in per_seed]):.2f} ± " \
-                               f"{mean([r[f'T={t}{key}']['al_se'] for r in per_seed]):.2f}"
-                v = per_seed[0]["val"]
-                expected = "" if key else " / ".join(f"{v[k]:.2f}" if k in v else "-"
-                                                     for k in ("al_unary", "al_selector", "al_oracle"))
-                lines.append(f"| {label} | {al(0)} | {al(1)} | {expected} | "
-                             f"{mean([r[f'T=0{key}']['tokens_per_s'] for r in per_seed]):.1f} | "
-                             f"{mean([r[f'T=0{key}']['target_forwards_per_token'] for r in per_seed]):.3f} |")
+        ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+        temps = [f"T={t:g}" for t in a["temperatures"]]
+        lines += [f"Ablation: real acceptance length, mean [95% bootstrap interval over {a['seeds']} training seed(s) "
+                  f"× {a['prompts']} held-out prompts], ≤ {a['max_new_tokens']} new tokens; tokens/s and target "
+                  f"forwards per token at {temps[0]}; autoregressive baseline "
+                  f"{a['autoregressive_tokens_per_s']:.1f} tok/s", "",
+                  "| drafter | " + " | ".join(f"AL {t}" for t in temps) + " | expected AL unary / selector / oracle "
+                  "(val) | recall@K | selector tf-acc | tok/s | target fwd / token |",
+                  "|---|" + "---|" * (len(temps) + 5)]
+        for label, s in a["summary"].items():
+            v = s.get("val", {})
+            f = lambda k: f"{v[k]:.2f}" if k in v else "-"
+            expected = f"{f('al_unary')} / {f('al_selector')} / {f('al_oracle')}" if v else ""
+            lines.append(f"| {label} | " + " | ".join(ci(*s[t]["al"]) for t in temps) +
+                         f" | {expected} | {f('recall_at_k') if v else ''} | {f('selector_tf_acc') if v else ''} | "
+                         f"{s[temps[0]]['tokens_per_s']:.1f} | {s[temps[0]]['target_forwards_per_token']:.3f} |")
+        blocks = [s["val"]["blocks"] for s in a["summary"].values() if "val" in s]
+        lines += ["", f"Expected AL and accuracies: mean over seeds of {min(blocks):.0f}+ validation blocks each.", ""]
+        for label, s in a["summary"].items():
+            for key, what in (("ratio_vs_dflash", "DFlash"), ("ratio_vs_unary_path", "its unary path")):
+                if key in s[temps[0]]:
+                    lines.append(f"- {label} / {what}: " + ", ".join(f"{t} {ci(*s[t][key])}×" for t in temps))
         lines.append("")
     if "draft_step" in results:
         c = results["draft_step"]
@@ -282,27 +387,45 @@ def markdown(results):
     return "\n".join(lines)
 
 
-def plot(ablation_results, path):
+def plot(a, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    for ax, t in zip(axes, ("0", "1")):
-        for name, per_seed in ablation_results["variants"].items():
-            rates = [statistics.mean(r[f"T={t}"]["slot_acceptance"][k] for r in per_seed)
-                     for k in range(len(per_seed[0][f"T={t}"]["slot_acceptance"]))]
-            ax.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
-        ax.set(title=f"T = {t}", xlabel="slot k", ylim=(0, 1))
-    axes[0].set_ylabel("P(slot k accepted | slots < k accepted)")
-    axes[0].legend()
+    temps = [f"T={t:g}" for t in a["temperatures"]]
+    fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), sharey=True, squeeze=False)
+    for ax, t in zip(axes[0], temps):
+        for name in VARIANTS:
+            rate, lo, hi = a["summary"][name][t]["slot_acceptance"]
+            k = range(1, len(rate) + 1)
+            ax.plot(k, rate, marker="o", label=name)
+            ax.fill_between(k, lo, hi, alpha=0.2)
+        ax.set(title=t.replace("=", " = "), xlabel="slot k", ylim=(0, 1))
+    axes[0][0].set_ylabel("P(slot k accepted | slots < k accepted)")
+    axes[0][0].legend(title="95% bootstrap bands")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
 
+def check_args(args):
+    """Bad flags fail here, before any training."""
+    if args.seeds < 1:
+        raise ValueError(f"--seeds ({args.seeds}) must be >= 1")
+    if args.eval_prompts < 1 or args.eval_tokens < 1:
+        raise ValueError(f"--eval-prompts ({args.eval_prompts}) and --eval-tokens ({args.eval_tokens}) must be >= 1")
+    if not args.temperatures or any(not t >= 0 for t in args.temperatures):
+        raise ValueError(f"--temperatures {args.temperatures} must be one or more numbers >= 0")
+    unknown = set(args.parts.split(",")) - {"ablation", "cost"}
+    if unknown:
+        raise ValueError(f"--parts: unknown part(s) {sorted(unknown)}; choose from ablation, cost")
+
+
 def main(args):
+    check_args(args)
     os.makedirs(args.out_dir, exist_ok=True)
     if args.quick:
-        args.eval_prompts, args.eval_tokens = min(args.eval_prompts, 3), min(args.eval_tokens, 16)
+        args.seeds, args.eval_prompts, args.eval_tokens = min(args.seeds, 2), min(args.eval_prompts, 3), \
+            min(args.eval_tokens, 16)
+        args.val_blocks = min(args.val_blocks, 64)
     parts, results, t0 = args.parts.split(","), {}, time.time()
     if "cost" in parts:
         results["draft_step"], results["train_step"] = draft_step_cost(args), train_step_cost(args)

@@ -48,7 +48,7 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
     logs = []
     target, data = W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
     model, tok = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
-    assert model.config.vocab_size == len(tok) == 4096, (model.config.vocab_size, len(tok))
+    assert model.config.vocab_size == len(tok) == 2048, (model.config.vocab_size, len(tok))
     assert tok.mask_token_id is not None and tok.chat_template == W.CHATML
     rows = [json.loads(line)["messages"] for line in open(data)]
     assert len(rows) == 4 + W.TINY_HELD_OUT, len(rows)

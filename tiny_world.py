@@ -4,7 +4,7 @@ Python's own standard library and cached, so the drafter then trains through exa
 code path a real Hugging Face target folder takes:
 
 1. conversations: "Continue this code:" + the first third of a chunk of stdlib source -> the rest;
-2. a BPE tokenizer trained on them (V = 4096, so K = 16 candidates are a small part of the
+2. a BPE tokenizer trained on them (V = 2048, so K = 16 candidates are a small part of the
    vocabulary, as in a real LLM) with the ChatML specials and a mask token;
 3. a small Qwen3 target pretrained on them from scratch, then checked on held-out prompts:
    held-out loss, the share of greedy tokens inside runs of >= 4 identical tokens (a target
@@ -46,7 +46,7 @@ def build_tiny_tokenizer(chat_template=CHATML):
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=chat_template, **SPECIALS)
 
 
-def train_bpe_tokenizer(texts, vocab_size=4096, chat_template=CHATML):
+def train_bpe_tokenizer(texts, vocab_size=2048, chat_template=CHATML):
     """Byte-level BPE learned from `texts` (seconds on the stdlib); the specials come first (ids 0-3)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
@@ -92,8 +92,8 @@ def token_stream(tokenizer, conversations):
                          for t in tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]])
 
 
-def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch_size=16, lr=3e-3, seed=0):
-    """Next-token pretraining of a 4M-parameter Qwen3 on random windows of the token stream
+def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch_size=8, lr=3e-3, seed=0):
+    """Next-token pretraining of a 3.5M-parameter Qwen3 on random windows of the token stream
     (packed: no padding, so every position of every step is a training token)."""
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768,
@@ -142,7 +142,7 @@ def repeat_share(ids, run=4):
 # the world
 
 
-def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=2048, max_new_tokens=160):
+def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_new_tokens=160):
     """Build once and cache: the tiny target folder (model + tokenizer via save_pretrained)
     and the on-policy conversations (.jsonl: the first `train_prompts` training prompts,
     then the TINY_HELD_OUT held-out ones, each answered greedily by the target). The whole
