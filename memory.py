@@ -154,14 +154,29 @@ def format_plan(plan):
 # measurements: one training step, its peak memory in a fresh process
 
 
-def random_target(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, seed=0):
-    """A Qwen3 target with random weights (nothing downloaded)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def qwen3_config(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tie=False):
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                       max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=tie)
+
+
+# Qwen3-4B's shape (its embeddings are tied), for the real-scale GPU check
+QWEN3_4B = dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tie=True)
+
+
+def random_target(seed=0, dtype=torch.float32, device="cpu", **shape):
+    """A Qwen3 target of qwen3_config's shape with random weights (nothing downloaded),
+    initialised directly on the device in the given dtype."""
+    from transformers import Qwen3ForCausalLM
     torch.manual_seed(seed)
-    config = Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
-                         num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
-                         max_position_embeddings=32768, tie_word_embeddings=False)
-    return Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen3ForCausalLM(qwen3_config(**shape)).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generator):
@@ -229,9 +244,262 @@ def measure_peak(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def target_config_of(target):
-    from transformers import Qwen3Config
-    return Qwen3Config(vocab_size=target["vocab"], hidden_size=target["hidden"], num_hidden_layers=target["layers"],
-                       num_attention_heads=target["heads"], num_key_value_heads=target["kv_heads"],
-                       head_dim=target["head_dim"], intermediate_size=target["intermediate"],
-                       max_position_embeddings=32768, tie_word_embeddings=False)
+def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1024, block_size=4, loss_chunk=1024,
+                 plot=None):
+    """Peak memory of one training step against max_anchors at a real vocabulary and a small
+    width, chunked loss vs all slots at once, measured and planned. block_size 4 keeps the
+    unchunked line inside a 23 GB machine at 512 anchors. plot: a PNG path (matplotlib).
+    -> list of rows {anchors, measured/planned MiB for chunked and unchunked}."""
+    target = dict(hidden=hidden, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=2 * hidden, vocab=vocab)
+    drafter = dict(num_layers=1, block_size=block_size, selector_rank=32, conv_group_size=16)
+    rows = []
+    for n in anchors:
+        row = {"anchors": n}
+        for name, chunk in (("chunked", loss_chunk), ("unchunked", None)):
+            row[f"{name}_mib"] = measure_peak(target, drafter, seq_len, n, loss_chunk=chunk)["peak"] / 2 ** 20
+            plan = memory_plan(qwen3_config(**target), seq_len, n, loss_chunk=chunk, amp=False, target_bytes=4,
+                               **drafter)
+            row[f"{name}_plan_mib"] = plan["peak"] / 2 ** 20
+        rows.append(row)
+    if plot:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for name, style in (("unchunked", "o-"), ("chunked", "s-")):
+            ax.plot(anchors, [r[f"{name}_mib"] for r in rows], style, label=f"{name} (measured)")
+            ax.plot(anchors, [r[f"{name}_plan_mib"] for r in rows], style[0] + ":", color=ax.lines[-1].get_color(),
+                    label=f"{name} (plan)")
+        ax.set(xlabel="max anchors N", ylabel="peak memory of a step (MiB)", xscale="log", xticks=list(anchors),
+               xticklabels=[str(n) for n in anchors],
+               title=f"V={vocab}, H={hidden}, S={seq_len}, B={block_size}, chunk {loss_chunk}")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot, dpi=120)
+    return rows
+
+
+def _now(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def median_seconds(fns, repeats, warmup=1, device="cpu"):
+    """Median seconds per call of each fn, rounds interleaved so drift hits all alike."""
+    times = {k: [] for k in fns}
+    for r in range(warmup + repeats):
+        for k, fn in fns.items():
+            t0 = _now(device)
+            fn()
+            if r >= warmup:
+                times[k].append(_now(device) - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+def dflash_pair(target_config, dtype=torch.float32, device="cpu", **overrides):
+    """DFlash (both parts off) and DFlash2 drafters sharing one backbone's weights, the
+    DFlash2 parts moved off their identity init so they do real work."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        v2 = dflash2.DFlash2Drafter(drafter_config(target_config, **overrides)).to(dtype)
+        v1 = dflash2.DFlash2Drafter(drafter_config(target_config, **{**overrides, "conv_kernel_size": 0,
+                                                                      "selector_top_k": 0})).to(dtype)
+    with torch.no_grad():
+        for p in v2.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    v1.load_state_dict({k: v for k, v in v2.state_dict().items() if k in v1.state_dict()})
+    return {"DFlash": v1, "DFlash2": v2}
+
+
+def step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chunk=1024, repeats=5):
+    """Seconds of one training step (train_step: target forward, loss without metrics,
+    backward, AdamW) per drafter, interleaved medians. -> ({name: seconds}, tokens/step)."""
+    dev = target.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size - 1, (batch_size, seq_len), generator=g).to(dev)
+    fns = {}
+    for name, d in drafters.items():
+        opt = torch.optim.AdamW(d.parameters(), lr=1e-6)
+        fns[name] = lambda d=d, opt=opt: train_step(d, target, opt, ids, max_anchors, loss_chunk, g)
+    return median_seconds(fns, repeats, device=dev), batch_size * seq_len
+
+
+def draft_step_cost(target, drafters, context=1024, repeats=50):
+    """Seconds of one inference draft step per drafter (block of B against a cached context
+    of `context` tokens: forward, lm_head, propose), interleaved medians."""
+    dev = target.device
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    fns = {}
+    for name, d in drafters.items():
+        c, dtype = d.config, d.fc.weight.dtype
+        cache = dflash2.DraftCache(c.num_layers)
+        feats = torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=dtype)
+        with torch.no_grad():
+            d(embed(torch.zeros(1, 1, dtype=torch.long, device=dev)).to(dtype), torch.zeros(1, 1, device=dev,
+              dtype=torch.long), feats, torch.arange(context, device=dev)[None], cache=cache)
+        block = torch.full((1, c.block_size), c.mask_token_id, device=dev)
+        pos = torch.arange(context, context + c.block_size, device=dev)[None]
+        no_ctx, no_pos = feats[:, :0], pos[:, :0]
+
+        @torch.no_grad()
+        def draft(d=d, cache=cache, dtype=dtype):
+            h = d(embed(block).to(dtype), pos, no_ctx, no_pos, cache=cache)[:, 1:]
+            return d.propose(h, lm_head(h.to(lm_head.weight.dtype)).float(), block[:, 0])
+        fns[name] = draft
+    return median_seconds(fns, repeats, warmup=3, device=dev)
+
+
+# -----------------------------------------------------------------------------
+# the GPU check: python memory.py --gpu-check (one H200, under 8 minutes). Each part takes
+# a device, so the tests run them on the CPU at small shapes.
+
+TINY = dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024)
+
+
+def check_loss_autocast(device, dtype=torch.bfloat16):
+    """The loss under autocast against fp32 with the same weights: within bf16 rounding,
+    chunked = unchunked under autocast too, edge scores still fp32, gradients finite."""
+    target = random_target(device=device, **TINY)
+    c = drafter_config(target.config, num_layers=2, block_size=8, selector_rank=16, mask_token_id=TINY["vocab"] - 1)
+    torch.manual_seed(0)
+    drafter = dflash2.DFlash2Drafter(c).to(device)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, TINY["vocab"] - 1, (2, 128), generator=g).to(device)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
+    anchors, valid = (x.to(device) for x in dflash2.sample_anchors(ones, 16, g))
+
+    def run(amp, chunk):
+        drafter.zero_grad(set_to_none=True)
+        with torch.autocast(torch.device(device).type, dtype=dtype, enabled=amp):
+            loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid, chunk_size=chunk,
+                                           with_metrics=False)
+            h = torch.randn(3, c.hidden_size, device=device)
+            cand = torch.randint(0, c.vocab_size, (3, 4), device=device)
+            scores = drafter.candidate_selector.edge_scores(h, torch.randn(3, c.vocab_size, device=device),
+                                                            cand[:, 0], cand)
+        loss.backward()
+        finite = all(torch.isfinite(p.grad).all() for p in drafter.parameters() if p.grad is not None)
+        return loss.item(), scores.dtype, finite
+    (fp32, _, finite32), (amp, score_dtype, finite_amp), (amp_chunked, _, _) = run(False, None), run(True, None), \
+        run(True, 37)
+    out = {"loss_fp32": fp32, "loss_autocast": amp, "rel_diff": abs(amp - fp32) / abs(fp32),
+           "chunk_rel_diff": abs(amp_chunked - amp) / abs(amp), "edge_scores_dtype": str(score_dtype),
+           "grads_finite": finite32 and finite_amp}
+    out["ok"] = out["rel_diff"] < 0.05 and out["chunk_rel_diff"] < 1e-2 and score_dtype == torch.float32 \
+        and out["grads_finite"]
+    return out
+
+
+def check_spec_generate(device, prompts=3, max_new_tokens=48):
+    """spec_generate at T = 0 on the device equals the target's own greedy decoding."""
+    target = random_target(device=device, **TINY)
+    torch.manual_seed(0)
+    drafter = dflash2.DFlash2Drafter(drafter_config(target.config, num_layers=2, block_size=8, selector_rank=16,
+                                                    mask_token_id=TINY["vocab"] - 1)).to(device)
+    g = torch.Generator().manual_seed(1)
+    equal, als = [], []
+    for _ in range(prompts):
+        prompt = torch.randint(0, TINY["vocab"] - 1, (1, 12), generator=g).to(device)
+        spec, stats = dflash2.spec_generate(drafter, target, prompt, max_new_tokens)
+        plain, _ = dflash2.target_generate(target, prompt, max_new_tokens)
+        equal.append(torch.equal(spec, plain))
+        als.append(stats.mean_acceptance_length)
+    return {"greedy_equal": equal, "mean_al": sum(als) / len(als), "ok": all(equal)}
+
+
+def real_scale_step(device, shape=QWEN3_4B, seq_len=3072, max_anchors=512, block_size=16, num_layers=5,
+                    batch_size=1, loss_chunk=1024, steps=3, log=print):
+    """Training steps at a real target's shape with random weights (bf16 target, fp32
+    drafter under autocast on CUDA): peak memory with and without grad checkpointing
+    against the plan (CUDA only), step time and tokens/s of DFlash vs DFlash2, and the
+    draft-step latency of both in bf16."""
+    dev, cuda = torch.device(device), torch.device(device).type == "cuda"
+    tdtype = torch.bfloat16 if cuda else torch.float32
+    overrides = dict(num_layers=num_layers, block_size=block_size, mask_token_id=shape["vocab"] - 1)
+    out = {"shape": dict(shape, seq_len=seq_len, max_anchors=max_anchors, block_size=block_size,
+                         draft_layers=num_layers, batch_size=batch_size, loss_chunk=loss_chunk)}
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    target = random_target(dtype=tdtype, device=dev, **shape)
+    drafter = dflash_pair(target.config, device=dev, **overrides)["DFlash2"]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab"] - 1, (batch_size, seq_len), generator=g).to(dev)
+    for checkpointed in (False, True):
+        drafter.grad_checkpoint = checkpointed
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        for _ in range(2):  # the second step holds the AdamW state
+            train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, g)
+        plan = memory_plan(target.config, seq_len, max_anchors, batch_size, loss_chunk, checkpointed, amp=cuda,
+                           target_bytes=2 if cuda else 4, **overrides)
+        key = "grad_checkpoint" if checkpointed else "plain"
+        out[key] = {"plan_gib": plan["peak"] / GiB,
+                    "measured_gib": torch.cuda.max_memory_allocated(dev) / GiB if cuda else None}
+        log(f"peak memory, {key}: {out[key]}")
+    del drafter, optimizer
+    drafters = dflash_pair(target.config, device=dev, **overrides)
+    seconds, tokens = step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chunk, repeats=steps)
+    out["train_step_s"] = seconds
+    out["tokens_per_s"] = {k: tokens / v for k, v in seconds.items()}
+    out["train_ratio_dflash2_vs_dflash"] = seconds["DFlash2"] / seconds["DFlash"]
+    log(f"training step: {seconds} s, ratio {out['train_ratio_dflash2_vs_dflash']:.3f}")
+    del drafters
+    drafters = dflash_pair(target.config, dtype=tdtype, device=dev, **overrides)
+    draft = draft_step_cost(target, drafters)
+    out["draft_step_ms"] = {k: 1e3 * v for k, v in draft.items()}
+    out["draft_ratio_dflash2_vs_dflash"] = draft["DFlash2"] / draft["DFlash"]
+    log(f"draft step: {out['draft_step_ms']} ms, ratio {out['draft_ratio_dflash2_vs_dflash']:.3f}")
+    return out
+
+
+def gpu_check(device="cuda", log=print):
+    """Everything above on one GPU; -> dict (also what --gpu-check prints as JSON)."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("--gpu-check needs a CUDA device")
+    torch.backends.cuda.matmul.allow_tf32 = False  # the greedy comparison wants fp32 matmuls
+    start, out = time.time(), {"device": torch.cuda.get_device_name(device) if torch.device(device).type == "cuda"
+                               else "cpu"}
+    out["loss_autocast"] = check_loss_autocast(device)
+    log(f"loss under bf16 autocast: {out['loss_autocast']}")
+    out["spec_generate"] = check_spec_generate(device)
+    log(f"spec_generate greedy: {out['spec_generate']}")
+    out["real_scale"] = real_scale_step(device, log=log)
+    out["seconds"] = time.time() - start
+    return out
+
+
+# -----------------------------------------------------------------------------
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", help="target folder or cached hub id: print its memory plan")
+    p.add_argument("--seq-len", type=int, default=3072, help="tokens per sequence")
+    p.add_argument("--max-anchors", type=int, default=512, help="blocks per sequence")
+    p.add_argument("--block-size", type=int, default=16, help="B")
+    p.add_argument("--num-layers", type=int, default=5, help="draft layers")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences per GPU")
+    p.add_argument("--loss-chunk", type=int, default=1024, help="slots per loss chunk (0: unchunked)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="recompute draft layers in backward")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory budget per GPU")
+    p.add_argument("--table", metavar="PNG", help="measure memory_table on this CPU and plot it here")
+    p.add_argument("--gpu-check", action="store_true", help="run the GPU check (one CUDA device)")
+    args = p.parse_args(argv)
+    if args.target:
+        plan = memory_plan(read_target_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                           args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib,
+                           block_size=args.block_size, num_layers=args.num_layers)
+        print(format_plan(plan))
+    if args.table:
+        for row in memory_table(plot=args.table):
+            print(json.dumps({k: round(v, 1) for k, v in row.items()}))
+    if args.gpu_check:
+        print(json.dumps(gpu_check(), indent=1))
+
+
+if __name__ == "__main__":
+    main()

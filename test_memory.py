@@ -1,0 +1,144 @@
+"""Tests of memory.py and of the memory the loss allocates: the plan against peak memory
+measured in a subprocess (CPU, scaled-down shapes, ±20%), the chunked loss never building
+a (slots, V) tensor, bad input, and the GPU check's parts run on the CPU at small shapes.
+Nothing here needs a GPU or downloads anything. Run: python -m pytest test_memory.py -q
+"""
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+import dflash2
+import memory
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_plan_matches_measured_peak(tmp_path):
+    """Peak RSS of two training steps in a fresh process, against the plan (fp32 on CPU):
+    chunked and unchunked loss at two anchor counts, and grad checkpointing."""
+    png = tmp_path / "memory.png"
+    rows = memory.memory_table(anchors=(64, 256), vocab=8192, hidden=64, seq_len=512, loss_chunk=64, plot=png)
+    assert png.stat().st_size > 0, "memory_table wrote no plot"
+    target = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=8192)
+    drafter = dict(num_layers=2, block_size=4, selector_rank=32, conv_group_size=16)
+    measured = memory.measure_peak(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)["peak"]
+    plan = memory.memory_plan(memory.qwen3_config(**target), 512, 256, loss_chunk=64, grad_checkpoint=True, amp=False,
+                              target_bytes=4, **drafter)["peak"]
+    pairs = [(f"{n} anchors {name}", r[f"{name}_plan_mib"], r[f"{name}_mib"])
+             for r in rows for n in [r["anchors"]] for name in ("chunked", "unchunked")]
+    pairs.append(("256 anchors, grad checkpoint", plan / 2 ** 20, measured / 2 ** 20))
+    for what, planned, got in pairs:
+        assert 0.8 < planned / got < 1.2, f"{what}: plan {planned:.1f} MiB vs measured {got:.1f} MiB"
+    growth = {name: rows[1][f"{name}_mib"] - rows[0][f"{name}_mib"] for name in ("chunked", "unchunked")}
+    assert growth["unchunked"] > 2 * growth["chunked"], f"64 -> 256 anchors grew the peak by {growth} MiB"
+
+
+class LargestVocabTensor(TorchDispatchMode):
+    """Every op's outputs, forward and backward: the most elements of any new tensor (views
+    of lm_head's weight are not) whose last dimension is the vocabulary."""
+
+    def __init__(self, vocab):
+        super().__init__()
+        self.vocab, self.largest = vocab, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        storages = lambda x: {t.untyped_storage().data_ptr() for t in tree_leaves(x) if isinstance(t, torch.Tensor)}
+        seen = storages((args, kwargs))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == self.vocab \
+                    and t.untyped_storage().data_ptr() not in seen:
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_chunked_loss_holds_at_most_a_chunk_of_logits():
+    """With chunk_size c, no tensor of the loss's forward or backward spans more than c
+    slots of the vocabulary (the target's logits included); without chunks, all do."""
+    V = 512
+    target = memory.random_target(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=V)
+    c = memory.drafter_config(target.config, num_layers=1, block_size=4, selector_rank=8, conv_group_size=8,
+                              mask_token_id=V - 1)
+    drafter = dflash2.DFlash2Drafter(c)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V - 1, (2, 64), generator=g)
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
+    anchors, valid = dflash2.sample_anchors(ones, 20, g)
+    slots = 2 * 20 * (c.block_size - 1)
+    for chunk, most in ((5, 5), (None, slots)):
+        with LargestVocabTensor(V) as seen:
+            loss, stats = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid,
+                                               chunk_size=chunk)
+            loss.backward()
+        assert seen.largest == most * V, \
+            f"chunk_size {chunk}: largest vocabulary-wide tensor has {seen.largest // V} slots, want {most}"
+
+
+def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
+    config = memory.qwen3_config(**memory.QWEN3_4B)
+    plan = lambda **kw: memory.memory_plan(config, 3072, **{"max_anchors": 512, "block_size": 16, **kw})
+    base = plan()
+    n_target, n_drafter = base["target_params"], base["drafter_params"]
+    assert 4.0e9 < n_target < 4.1e9, f"Qwen3-4B has 4.02B parameters (tied embeddings), the plan counts {n_target}"
+    assert base["target_weights"] == 2 * n_target and base["drafter_states"] == 16 * n_drafter, \
+        f"bf16 target weights and 16 bytes a drafter parameter: {base}"
+    fits = base["max_batch_size"]
+    assert fits >= 1 and plan(batch_size=fits)["peak"] <= 80 * 2 ** 30 < plan(batch_size=fits + 1)["peak"], \
+        f"max_batch_size {fits} does not match the peaks around it"
+    checkpointed = plan(grad_checkpoint=True)
+    assert checkpointed["activations_per_seq"] < base["activations_per_seq"] / 3 \
+        and checkpointed["max_batch_size"] > fits, f"grad checkpointing saves too little: {checkpointed}"
+    loss = {(n, c): plan(max_anchors=n, loss_chunk=c)["loss_chunk"] for n in (128, 512) for c in (1024, None)}
+    assert loss[128, 1024] == loss[512, 1024] < loss[128, None] < loss[512, None], \
+        f"loss bytes by (anchors, chunk): {loss}; the chunked loss must not grow with the anchors"
+    text = memory.format_plan(base)
+    assert "target weights" in text and f"largest batch in 80 GiB:  {fits}" in text, text
+
+    small = memory.qwen3_config(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
+    from transformers import Qwen3ForCausalLM
+    c = memory.drafter_config(small)
+    want = (sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()),
+            sum(p.numel() for p in dflash2.DFlash2Drafter(c).parameters()))
+    assert memory.parameter_counts(small, c) == want, f"meta-device counts {memory.parameter_counts(small, c)} != {want}"
+
+    with pytest.raises(ValueError, match=r"loss_chunk \(0\) must be >= 1"):
+        memory.memory_plan(config, 3072, 512, loss_chunk=0)
+    with pytest.raises(ValueError, match="max_anchors \\(0\\) must be >= 1"):
+        memory.memory_plan(config, 3072, 0)
+    missing = tmp_path / "no-such-target"
+    with pytest.raises(ValueError, match=f"cannot read the target's config at '{missing}'"):
+        memory.read_target_config(str(missing))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=f"cannot read the target's config at '{broken}'"):
+        memory.read_target_config(str(broken))
+    small.save_pretrained(tmp_path / "ok")
+    assert memory.read_target_config(str(tmp_path / "ok")).hidden_size == 32, "a saved config did not read back"
+
+
+def test_gpu_check_parts_run_on_cpu():
+    """The GPU check's parts at small shapes on the CPU: the checks pass and the real-scale
+    step reports every number (no CUDA peak here)."""
+    loss = memory.check_loss_autocast("cpu")
+    assert loss["ok"], f"loss under bf16 autocast on the CPU: {loss}"
+    gen = memory.check_spec_generate("cpu", prompts=2, max_new_tokens=24)
+    assert gen["ok"], f"spec_generate greedy != target greedy: {gen}"
+    out = memory.real_scale_step("cpu", shape=memory.TINY, seq_len=96, max_anchors=12, block_size=8, num_layers=2,
+                                 steps=1, loss_chunk=20, log=lambda line: None)
+    for key in ("train_step_s", "tokens_per_s", "draft_step_ms"):
+        assert set(out[key]) == {"DFlash", "DFlash2"} and all(v > 0 for v in out[key].values()), f"{key}: {out[key]}"
+    assert out["plain"]["measured_gib"] is None and out["grad_checkpoint"]["plan_gib"] < out["plain"]["plan_gib"], \
+        f"peak memory entries: {out['plain']}, {out['grad_checkpoint']}"
+    json.dumps(out)  # --gpu-check prints it as JSON
