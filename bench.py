@@ -276,15 +276,6 @@ def ablation(args):
     base = ["--target", target_path, "--data", data_path, "--cache-dir", args.cache_dir, "--val-size", str(val_size),
             "--export-dtype", "float32", "--eval-prompts", "1", "--eval-new-tokens", "8", *base,
             *shlex.split(args.train_flags)]
-    runs = {}
-    for seed in range(args.seeds):
-        for name, (taps, top_k) in VARIANTS.items():
-            out = os.path.join(args.out_dir, f"{name}-seed{seed}")
-            t0 = time.time()
-            T.train(T.parse_args(base + ["--out-dir", out, "--seed", str(seed), "--conv-kernel-size", str(taps),
-                                         "--selector-top-k", str(top_k)]))
-            runs[name, seed] = {"train_seconds": time.time() - t0, "checkpoint": os.path.join(out, "checkpoint")}
-
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
     targs = T.parse_args(base)
     tokenizer = T.transformers.AutoTokenizer.from_pretrained(target_path)
@@ -292,29 +283,37 @@ def ablation(args):
     rows = T.load_rows(data_path, "train", tokenizer, targs.seq_len, log=lambda *a: None)
     val = rows.select(range(len(rows) - targs.val_size, len(rows)))
     prompts = [r["input_ids"][None, :int(r["loss_mask"].nonzero()[0])] for r in val][:args.eval_prompts]
+    baseline = [D.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
+                for p in prompts]
 
-    results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": args.seeds,
-               "temperatures": args.temperatures, "train_flags": base[2:], "variants": {}}
-    for name in VARIANTS:
-        for seed in range(args.seeds):
+    results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": 0,
+               "temperatures": args.temperatures, "train_flags": base[2:], "variants": {},
+               "autoregressive_tokens_per_s": sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline)}
+    for seed in range(args.seeds):  # seed by seed, so that a long run reports what it has so far
+        for name, (taps, top_k) in VARIANTS.items():
+            out = os.path.join(args.out_dir, f"{name}-seed{seed}")
+            t0 = time.time()
+            T.train(T.parse_args(base + ["--out-dir", out, "--seed", str(seed), "--conv-kernel-size", str(taps),
+                                         "--selector-top-k", str(top_k)]))
+            train_seconds = time.time() - t0
             # a partial variant exports as a full DFlash2 with its missing part at the identity (§9);
             # +conv then proposes through its own unary path, as a drafter with no selector does
-            drafter = D.DFlash2Drafter.from_pretrained(runs[name, seed]["checkpoint"]).eval()
+            drafter = D.DFlash2Drafter.from_pretrained(os.path.join(out, "checkpoint")).eval()
             unary = without_selector(drafter)
-            paths = {name: drafter, f"{name}, unary path": unary} if VARIANTS[name][1] else {name: unary}
+            paths = {name: drafter, f"{name}, unary path": unary} if top_k else {name: unary}
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
             for label, d in paths.items():
                 r = results["variants"].setdefault(label, {"train_seconds": [], "val": [], "spec": {}})
                 if label == name:
-                    r["train_seconds"].append(runs[name, seed]["train_seconds"])
+                    r["train_seconds"].append(train_seconds)
                     r["val"].append(val_stats)
                 for t in args.temperatures:
                     r["spec"].setdefault(f"T={t:g}", []).append(spec_eval(d, target, prompts, args, t,
                                                                           tokenizer.eos_token_id))
-    baseline = [D.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
-                for p in prompts]
-    results["autoregressive_tokens_per_s"] = sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline)
-    summarize(results)
+        results["seeds"] = seed + 1
+        summarize(results)
+        with open(os.path.join(args.out_dir, "ablation_so_far.md"), "w") as f:
+            f.write(markdown({"ablation": results}) + "\n")
     return results
 
 
