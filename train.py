@@ -92,11 +92,15 @@ def parse_args(argv=None):
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
     g.add_argument("--max-anchors", type=at_least(1), default=32,
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
+    g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
+                   "at once, recomputed in backward (0: all at once); same loss and gradients")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
     g.add_argument("--warmup", type=at_least(0, float), default=0.04, help="warmup fraction of the steps, then cosine to 0")
     g.add_argument("--weight-decay", type=at_least(0, float), default=0.0, help="AdamW weight decay")
     g.add_argument("--grad-clip", type=at_least(0, float), default=1.0, help="max gradient norm (0 disables)")
+    g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward: "
+                   "activation memory of one layer instead of all")
     g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
     g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-steps per optimizer step")
     g.add_argument("--steps", type=at_least(1), default=300, help="optimizer steps")
@@ -221,23 +225,37 @@ def mean_stats(all_stats):
     return out
 
 
-def loss_step(drafter, target, batch, args, generator):
-    """One target pass (no grad) + anchors + the DFlash2 loss."""
+def row_anchors(loss_mask, max_anchors, seeds):
+    """sample_anchors row by row, each row from its own seed: a row draws the same anchors
+    whatever batch, rank or micro-step it lands in (resume and data parallel repeat them)."""
+    rows = [sample_anchors(m[None], max_anchors, torch.Generator().manual_seed(s)) for m, s in zip(loss_mask, seeds)]
+    N = max(a.shape[1] for a, _ in rows)
+    anchors = torch.zeros(len(rows), N, dtype=torch.long, device=loss_mask.device)
+    valid = torch.zeros(len(rows), N, dtype=torch.bool, device=loss_mask.device)
+    for i, (a, v) in enumerate(rows):
+        anchors[i, :a.shape[1]], valid[i, :v.shape[1]] = a[0], v[0]
+    return anchors, valid
+
+
+def loss_step(drafter, target, batch, args, seeds, with_metrics=True):
+    """One target pass (no grad; its logits only where the loss needs them, so never
+    (b, S, V) at once) + anchors + the DFlash2 loss."""
     ids, attn, loss_mask = batch
     with torch.no_grad():
-        out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True)
-    anchors, valid = sample_anchors(loss_mask, args.max_anchors, generator)
+        out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
+    anchors, valid = row_anchors(loss_mask, args.max_anchors, seeds)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
-        return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, out.logits, anchors, valid,
+        return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
                             loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
-                            detach_selector=args.detach_selector)
+                            detach_selector=args.detach_selector, chunk_size=args.loss_chunk or None,
+                            with_metrics=with_metrics)
 
 
 @torch.no_grad()
 def evaluate(drafter, target, tokenizer, val, args, device, log):
-    gen = torch.Generator().manual_seed(args.seed)  # same anchors at every evaluation
+    seeds = [-1 - args.seed * 1_000_003 - i for i in range(len(val))]  # fixed, and never a training row's seed
     stats = mean_stats([loss_step(drafter, target, collate(val[i:i + args.batch_size], tokenizer.pad_token_id, device),
-                                  args, gen)[1] for i in range(0, len(val), args.batch_size)])
+                                  args, seeds[i:i + args.batch_size])[1] for i in range(0, len(val), args.batch_size)])
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
     for temperature in (0.0, 1.0):
         als, tps, texts, t0 = [], [], [], time.time()
@@ -445,6 +463,7 @@ def train(args):
         raise ValueError(f"--resume: the target's weights differ from the run in {resume_file} "
                          f"(fingerprint {fingerprint} != {state['target_weights']})")
     drafter.to(device)
+    drafter.grad_checkpoint = args.grad_checkpoint
     params = list(drafter.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     meta = {"run": run, "target_weights": fingerprint}
@@ -473,25 +492,26 @@ def train(args):
         return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
 
     def micro_batch(step, micro):
+        """-> the batch and its rows' places in the data stream (which seed their anchors)."""
         start = step * global_batch + (micro * world + rank) * args.batch_size
-        idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in range(start, start + args.batch_size)]
-        return collate(train_rows[idx], tokenizer.pad_token_id, device)
+        places = range(start, start + args.batch_size)
+        idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in places]
+        return collate(train_rows[idx], tokenizer.pad_token_id, device), [args.seed * 1_000_003 + i for i in places]
 
     losses, summary, t_start, t_log, tokens, start_step = {}, {}, time.time(), time.time(), 0, step
     while step < total:
         micro_stats = []
         for micro in range(args.grad_accum):
-            batch = micro_batch(step, micro)
-            # anchors are drawn from (seed, step, micro, rank) so a resumed run draws the same ones
-            gen = torch.Generator().manual_seed(((args.seed * 1_000_003 + step) * 1_009 + micro) * 1_013 + rank)
-            loss, stats = loss_step(drafter, target, batch, args, gen)
+            batch, seeds = micro_batch(step, micro)
+            log_step = (step + 1) % args.log_every == 0 or step + 1 == total  # metrics cost host syncs
+            loss, stats = loss_step(drafter, target, batch, args, seeds, with_metrics=log_step)
             (loss / args.grad_accum).backward()
             micro_stats.append(stats)
             tokens += int(batch[1].sum()) * world
         # DistributedDataParallel needs the loss to call its wrapper's forward; dflash2_loss
         # calls the drafter and its selector directly, so gradients are averaged by hand,
         # once per optimizer step (accumulation needs no no_sync)
-        step_loss = torch.tensor(sum(s["loss"] for s in micro_stats) / args.grad_accum, device=device)
+        step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
         if world > 1:
             for p in params:
                 if p.grad is None:
