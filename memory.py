@@ -5,21 +5,23 @@ weight is loaded, the measurements that check it, and a GPU check at real scale.
     python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16
     python memory.py --gpu-check                        # one H200, under 8 minutes
 
-Peak per GPU = fixed + batch_size · per sequence, where
-  fixed        = target weights + drafter weights, grads and AdamW state (fp32 master
-                 weights: 4 + 4 + 8 bytes a parameter) + the loss chunk;
+Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one layer), where
+  fixed        = target weights + the drafter's weights, grads and AdamW state (fp32
+                 master weights: 4 + 4 + 8 bytes a parameter);
   per sequence = the target's hidden states (all L + 1 are returned and live through the
-                 loss) + the drafter's saved activations over N·B block tokens and S
-                 context tokens, layer by layer (or, with grad checkpointing, each layer's
-                 input plus one layer recomputed in backward).
-The activation counts below follow the tensors autograd saves in dflash2.py's drafter
-(fp32 residual stream and norms, linear inputs in bf16 under autocast, both sides of the
+                 loss) + the activations the drafter saves for backward over N·B block
+                 tokens and S context tokens, every layer's (or, with grad checkpointing,
+                 only each layer's input);
+  loss chunk   = the (chunk, V) fp32 tensors of one chunk of slots, recomputed in backward;
+  one layer    = with grad checkpointing, the layer being recomputed in backward (after the
+                 loss chunks are done, so the two do not add up); 0 otherwise.
+The activation counts follow the tensors autograd saves in dflash2.py's drafter (fp32
+residual stream and norms, linear inputs in bf16 under autocast, both sides of the
 convolution, keys and values repeated for GQA before attention); memory_table and
 test_memory.py check the plan against measured peaks.
 """
 import argparse
 import json
-import math
 import os
 import subprocess
 import sys
@@ -144,10 +146,20 @@ def format_plan(plan):
              f"  loss chunk                  {gib(plan['loss_chunk'])}",
              f"  per sequence: hidden states {gib(plan['hidden_states_per_seq'])}",
              f"  per sequence: activations   {gib(plan['activations_per_seq'])}",
-             f"  per sequence: one layer recomputed in backward {gib(plan['recompute_per_seq'])}",
+             f"  one layer recomputed        {gib(plan['recompute_per_seq'])}  (per sequence, grad checkpoint)",
              f"  estimated peak              {gib(plan['peak'])}",
              f"  largest batch in {s['gpu_memory_gib']:g} GiB:  {plan['max_batch_size']}"]
-    return "\n".join(lines)
+    return "\n".join(lines if s["grad_checkpoint"] else [l for l in lines if "recomputed" not in l])
+
+
+def check_fits(plan):
+    """Refuse, before any weight is loaded, a batch the plan says does not fit."""
+    s = plan["shape"]
+    if plan["peak"] > s["gpu_memory_gib"] * GiB:
+        hint = (f"--batch-size {plan['max_batch_size']} fits" if plan["max_batch_size"] else
+                "not even one sequence fits: try --grad-checkpoint, a smaller --loss-chunk, --max-anchors or --seq-len")
+        raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.1f} GiB per GPU, more than "
+                         f"--gpu-memory-gib {s['gpu_memory_gib']:g}; {hint}")
 
 
 # -----------------------------------------------------------------------------
@@ -244,7 +256,7 @@ def measure_peak(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1024, block_size=4, loss_chunk=1024,
+def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1024, block_size=4, loss_chunk=128,
                  plot=None):
     """Peak memory of one training step against max_anchors at a real vocabulary and a small
     width, chunked loss vs all slots at once, measured and planned. block_size 4 keeps the
@@ -262,21 +274,25 @@ def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1
             row[f"{name}_plan_mib"] = plan["peak"] / 2 ** 20
         rows.append(row)
     if plot:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for name, style in (("unchunked", "o-"), ("chunked", "s-")):
-            ax.plot(anchors, [r[f"{name}_mib"] for r in rows], style, label=f"{name} (measured)")
-            ax.plot(anchors, [r[f"{name}_plan_mib"] for r in rows], style[0] + ":", color=ax.lines[-1].get_color(),
-                    label=f"{name} (plan)")
-        ax.set(xlabel="max anchors N", ylabel="peak memory of a step (MiB)", xscale="log", xticks=list(anchors),
-               xticklabels=[str(n) for n in anchors],
-               title=f"V={vocab}, H={hidden}, S={seq_len}, B={block_size}, chunk {loss_chunk}")
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(plot, dpi=120)
+        plot_memory_table(rows, plot, f"V={vocab}, H={hidden}, S={seq_len}, B={block_size}, chunk {loss_chunk}")
     return rows
+
+
+def plot_memory_table(rows, path, title):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    anchors = [r["anchors"] for r in rows]
+    for name, style in (("unchunked", "o-"), ("chunked", "s-")):
+        ax.plot(anchors, [r[f"{name}_mib"] for r in rows], style, label=f"{name} loss, measured")
+        ax.plot(anchors, [r[f"{name}_plan_mib"] for r in rows], ":", color=ax.lines[-1].get_color(),
+                label=f"{name} loss, plan")
+    ax.set(xlabel="max anchors N", ylabel="peak memory of a step (MiB)", xticks=anchors, title=title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _now(device):

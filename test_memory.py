@@ -26,9 +26,9 @@ def test_plan_matches_measured_peak(tmp_path):
     """Peak RSS of two training steps in a fresh process, against the plan (fp32 on CPU):
     chunked and unchunked loss at two anchor counts, and grad checkpointing."""
     png = tmp_path / "memory.png"
-    rows = memory.memory_table(anchors=(64, 256), vocab=8192, hidden=64, seq_len=512, loss_chunk=64, plot=png)
+    rows = memory.memory_table(anchors=(64, 256), vocab=16384, hidden=64, seq_len=512, loss_chunk=64, plot=png)
     assert png.stat().st_size > 0, "memory_table wrote no plot"
-    target = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=8192)
+    target = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=16384)
     drafter = dict(num_layers=2, block_size=4, selector_rank=32, conv_group_size=16)
     measured = memory.measure_peak(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)["peak"]
     plan = memory.memory_plan(memory.qwen3_config(**target), 512, 256, loss_chunk=64, grad_checkpoint=True, amp=False,
@@ -85,7 +85,7 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
             f"chunk_size {chunk}: largest vocabulary-wide tensor has {seen.largest // V} slots, want {most}"
 
 
-def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
+def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path, capsys):
     config = memory.qwen3_config(**memory.QWEN3_4B)
     plan = lambda **kw: memory.memory_plan(config, 3072, **{"max_anchors": 512, "block_size": 16, **kw})
     base = plan()
@@ -102,6 +102,12 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
     loss = {(n, c): plan(max_anchors=n, loss_chunk=c)["loss_chunk"] for n in (128, 512) for c in (1024, None)}
     assert loss[128, 1024] == loss[512, 1024] < loss[128, None] < loss[512, None], \
         f"loss bytes by (anchors, chunk): {loss}; the chunked loss must not grow with the anchors"
+    memory.check_fits(plan(batch_size=fits))
+    with pytest.raises(ValueError, match=rf"batch size {fits + 1} needs about [0-9.]+ GiB per GPU, more than "
+                                         rf"--gpu-memory-gib 80; --batch-size {fits} fits"):
+        memory.check_fits(plan(batch_size=fits + 1))
+    with pytest.raises(ValueError, match="not even one sequence fits: try --grad-checkpoint"):
+        memory.check_fits(plan(gpu_memory_gib=10))
     text = memory.format_plan(base)
     assert "target weights" in text and f"largest batch in 80 GiB:  {fits}" in text, text
 
@@ -126,6 +132,8 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
         memory.read_target_config(str(broken))
     small.save_pretrained(tmp_path / "ok")
     assert memory.read_target_config(str(tmp_path / "ok")).hidden_size == 32, "a saved config did not read back"
+    memory.main(["--target", str(tmp_path / "ok"), "--seq-len", "64", "--max-anchors", "8", "--gpu-memory-gib", "1"])
+    assert "largest batch in 1 GiB:" in capsys.readouterr().out, "--target printed no plan"
 
 
 def test_gpu_check_parts_run_on_cpu():
