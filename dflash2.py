@@ -571,12 +571,12 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
     return term, ce.view_as(label), hit.any(-1)
 
 
-def weighted_sums(drafter, lm_head, loss_type, detach_selector, h, ref_h, prev, w):
+def weighted_sums(selector, lm_head, loss_type, detach_selector, h, ref_h, prev, w):
     """Σ w·unary term, and with a selector Σ w·CE and Σ w over slots whose label is among
     the candidates, for a run of slots: h / ref_h (n, H) drafter / target final hidden
     states, prev / w (n,). Only (n, V) logits live here, so n bounds the loss's memory."""
-    term, ce, hit = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev,
-                                drafter.candidate_selector, loss_type, detach_selector)
+    term, ce, hit = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector, loss_type,
+                                detach_selector)
     if ce is None:
         return ((w * term).sum(),)
     ws = w * hit
@@ -588,18 +588,16 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
-    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1, computed here
-    as lm_head(hidden_states[-1][t - 1]) for counted slots only (HF's last hidden state is
-    taken after the final norm): the target's (b, S, V) logits are never needed.
-    L_unary = Σ w·term / Σ w with w_k = exp(-(k-1)/γ); L_sel = Σ w·CE / Σ w over the slots
-    whose label is among the top-K (the selector can never pick any other); slot_losses has
-    the terms. The predecessor is the data token at t - 1 (teacher forcing; slot 1's is the anchor).
+    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1, computed as
+    lm_head(hidden_states[-1][t - 1]) (HF's last hidden state is after the final norm) for
+    counted slots only. L_unary = Σ w·term / Σ w, w_k = exp(-(k-1)/γ); L_sel = Σ w·CE / Σ w
+    over slots whose label is among the top-K (the selector can never pick any other); the
+    terms are slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
 
-    chunk_size None: all counted slots at once, (n, V) logits for all n of them. An int:
-    chunk_size slots at a time, recomputed in backward (torch.utils.checkpoint), so the
-    vocabulary-wide tensors are (chunk_size, V) whatever N is; same loss and gradients.
-    with_metrics: the §6 metrics, and every stat as a float (a host sync each). False on
-    training steps: stats hold only the loss terms, as detached tensors."""
+    chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
+    slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
+    with_metrics: the §6 metrics and every stat as a float (host syncs); False on training
+    steps, where stats hold only the loss terms, as detached tensors."""
     if loss_type not in ("kl", "ce"):
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
     if gamma is not None and not gamma > 0:
@@ -631,7 +629,7 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    sums = functools.partial(weighted_sums, drafter, lm_head, loss_type, detach_selector)
+    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, loss_type, detach_selector)
     n = chunk_size or max(1, len(idx))
     parts = []
     for i in range(0, max(1, len(idx)), n):

@@ -215,7 +215,7 @@ def _rss():
 
 def _measure_child(spec):
     """In a fresh process: build target and drafter, take two steps (the second has AdamW
-    state), print the peak RSS above the RSS before anything was built, as JSON."""
+    state), print as JSON the peak RSS above the RSS left after a tiny warm-up run."""
     import resource
     torch.set_num_threads(1)
     tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
@@ -440,7 +440,8 @@ def real_scale_step(device, shape=QWEN3_4B, seq_len=3072, max_anchors=512, block
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     target = random_target(dtype=tdtype, device=dev, **shape)
-    drafter = dflash_pair(target.config, device=dev, **overrides)["DFlash2"]
+    with torch.device(dev):
+        drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **overrides))
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab"] - 1, (batch_size, seq_len), generator=g).to(dev)
