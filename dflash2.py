@@ -584,7 +584,8 @@ def weighted_sums(selector, lm_head, loss_type, detach_selector, h, ref_h, prev,
 
 
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
-                 loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True):
+                 loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True,
+                 forward=None, weight_sums=None):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
@@ -597,7 +598,10 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
     slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
     with_metrics: the §6 metrics and every stat as a float (host syncs); False on training
-    steps, where stats hold only the loss terms, as detached tensors."""
+    steps, where stats hold only the loss terms, as detached tensors.
+    Data parallel: `forward` is the wrapper (DistributedDataParallel) that runs the drafter,
+    and `weight_sums` maps this batch's (Σw unary, Σw selector) to the ones to divide by —
+    their mean over ranks, so that the averaged gradients are those of the global batch."""
     if loss_type not in ("kl", "ce"):
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
     if gamma is not None and not gamma > 0:
@@ -617,7 +621,7 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
-    h = drafter(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
+    h = (forward or drafter)(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b,N,B-1,H)
 
     t = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)           # (b, N, B-1)
     t_in = t.clamp(max=S - 1)
@@ -637,10 +641,11 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
         parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if chunk_size
                      else sums(*chunk))
     totals = [sum(p) for p in zip(*parts)]
-    loss = unary_loss = totals[0] / w.sum().clamp(min=1e-9)
+    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w.sum(), totals[2] if c.selector_top_k else w.sum())
+    loss = unary_loss = totals[0] / w_unary.clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
     if c.selector_top_k:
-        selector_loss = totals[1] / totals[2].clamp(min=1e-9)
+        selector_loss = totals[1] / w_selector.clamp(min=1e-9)
         loss = loss + alpha * selector_loss
         stats["selector_loss"] = selector_loss.detach()
     stats["loss"] = loss.detach()

@@ -127,14 +127,21 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
 
 
-def test_torchrun_two_ranks_keep_identical_replicas(world, tmp_path):
+def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, tmp_path):
+    """DistributedDataParallel: 2 ranks x batch 1 make the same updates as 1 rank x batch 2
+    (the loss is normalised by the weights of the whole global batch), and the replicas
+    end identical."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "out", "--steps", "2")]
+           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "ddp", "--steps", "2", "--batch-size", "1")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "replicas agree: parameter checksum" in run.stdout and "on 2 ranks" in run.stdout, run.stdout[-3000:]
-    DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint")
+    T.train(args_for(world, tmp_path / "one", "--steps", "2", "--batch-size", "2"))
+    ddp, one = (torch.load(tmp_path / d / "resume.pt", weights_only=True)["model"] for d in ("ddp", "one"))
+    for k, v in one.items():
+        err = (ddp[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
+        assert err < 1e-5, f"{k}: 2 ranks x batch 1 and 1 rank x batch 2 differ by {err:.3g} (relative)"
 
 
 def other_width_checkpoint(path):

@@ -18,6 +18,7 @@ optimizer, step). The data order and the anchor draws are functions of (seed, st
 the step is the whole data position and a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -237,9 +238,18 @@ def row_anchors(loss_mask, max_anchors, seeds):
     return anchors, valid
 
 
-def loss_step(drafter, target, batch, args, seeds, with_metrics=True):
+def mean_over_ranks(*weights):
+    """The loss weights (Σw) of the whole global batch, per rank: dividing each rank's sums by
+    them makes DistributedDataParallel's gradient average that of the global batch's loss."""
+    total = torch.stack(weights)
+    dist.all_reduce(total)
+    return total / dist.get_world_size()
+
+
+def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None):
     """One target pass (no grad; its logits only where the loss needs them, so never
-    (b, S, V) at once) + anchors + the DFlash2 loss."""
+    (b, S, V) at once) + anchors + the DFlash2 loss. model: the DistributedDataParallel
+    wrapper that runs the drafter's forward, if any."""
     ids, attn, loss_mask = batch
     with torch.no_grad():
         out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
@@ -248,7 +258,8 @@ def loss_step(drafter, target, batch, args, seeds, with_metrics=True):
         return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
                             loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
                             detach_selector=args.detach_selector, chunk_size=args.loss_chunk or None,
-                            with_metrics=with_metrics)
+                            with_metrics=with_metrics, forward=model,
+                            weight_sums=mean_over_ranks if model is not None else None)
 
 
 @torch.no_grad()
@@ -474,9 +485,8 @@ def train(args):
         step = state["step"]
         if master:
             rewind_record(args.out_dir, step)
-    if world > 1:  # every replica starts from rank 0's weights
-        for p in params:
-            dist.broadcast(p.data, 0)
+    # data parallel: the wrapper starts every replica from rank 0's weights and averages gradients
+    model = torch.nn.parallel.DistributedDataParallel(drafter) if world > 1 else None
     os.makedirs(args.out_dir, exist_ok=True)
     n_params = sum(p.numel() for p in params)
     c = drafter.config
@@ -504,20 +514,14 @@ def train(args):
         for micro in range(args.grad_accum):
             batch, seeds = micro_batch(step, micro)
             log_step = (step + 1) % args.log_every == 0 or step + 1 == total  # metrics cost host syncs
-            loss, stats = loss_step(drafter, target, batch, args, seeds, with_metrics=log_step)
-            (loss / args.grad_accum).backward()
+            last = micro == args.grad_accum - 1  # gradients are averaged across ranks once, after the last
+            with model.no_sync() if model is not None and not last else contextlib.nullcontext():
+                loss, stats = loss_step(drafter, target, batch, args, seeds, log_step, model)
+                (loss / args.grad_accum).backward()
             micro_stats.append(stats)
             tokens += int(batch[1].sum()) * world
-        # DistributedDataParallel needs the loss to call its wrapper's forward; dflash2_loss
-        # calls the drafter and its selector directly, so gradients are averaged by hand,
-        # once per optimizer step (accumulation needs no no_sync)
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
-        if world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad /= world
+        if world > 1:  # for the log line
             dist.all_reduce(step_loss)
             step_loss /= world
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf"))
