@@ -275,3 +275,14 @@ def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path):
     want = tokenizer.decode(new)
     assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
                                   for r in rows), f"regenerated {rows}, the target's greedy answer is {want!r}"
+
+
+def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_path, no_target_load, capsys):
+    args = T.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--plan",
+                         "--gpu-memory-gib", "0.001", "--out-dir", str(tmp_path / "out")])
+    plan = T.train(args)["plan"]
+    out = capsys.readouterr().out
+    assert "estimated peak" in out and "largest batch in 0.001 GiB:  0" in out, out
+    assert plan["max_batch_size"] == 0 and not (tmp_path / "out").exists(), plan
+    with pytest.raises(ValueError, match="cannot read the target's config at .*nowhere"):
+        T.train(T.parse_args(["--target", str(tmp_path / "nowhere"), "--plan"]))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import transformers
 
 from dflash2 import DFlash2Config, DFlash2Drafter, check_target, dflash2_loss, sample_anchors, spec_generate
+from memory import check_fits, format_plan, memory_plan, read_target_config
 from data import load_chat_template, load_rows, parse_template_kwargs, read_conversations, regenerate_file
 from tiny_world import tiny_world
 
@@ -116,6 +117,10 @@ def parse_args(argv=None):
     g.add_argument("--eval-new-tokens", type=at_least(1), default=96, help="tokens generated per eval prompt")
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint/ dtype")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
+    g.add_argument("--plan", action="store_true", help="print the estimated peak GPU memory (from the target's "
+                   "config, no weights) and the largest --batch-size that fits, then exit")
+    g.add_argument("--gpu-memory-gib", type=at_least(0, float, strict=True), default=80.0,
+                   help="GPU memory the plan must fit; on a GPU a batch that does not fit stops the run early")
     g = p.add_argument_group("regeneration (instead of training)")
     g.add_argument("--regenerate", metavar="OUT.jsonl", help="write --data with every assistant turn replaced by "
                    "the target's own answer, then exit; a killed run started again resumes")
@@ -236,6 +241,22 @@ def row_anchors(loss_mask, max_anchors, seeds):
     for i, (a, v) in enumerate(rows):
         anchors[i, :a.shape[1]], valid[i, :v.shape[1]] = a[0], v[0]
     return anchors, valid
+
+
+def plan(args, device, log):
+    """The memory plan of this run from the target's config alone (no weights, no data):
+    --plan prints it; on a GPU a batch it says cannot fit stops the run here."""
+    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    estimate = memory_plan(read_target_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                           args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib,
+                           num_layers=args.num_layers, block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
+                           conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
+                           selector_top_k=args.selector_top_k, **layer_ids)
+    if args.plan:
+        log(format_plan(estimate))
+    elif device.type == "cuda":
+        check_fits(estimate)
+    return estimate
 
 
 def mean_over_ranks(*weights):
@@ -419,6 +440,11 @@ def train(args):
     resume_file = os.path.join(args.out_dir, "resume.pt")
     if args.resume and not os.path.isfile(resume_file):
         raise ValueError(f"--resume: {resume_file} not found")
+
+    if args.target and (args.plan or device.type == "cuda"):  # the memory plan: the target's config is enough
+        estimate = plan(args, device, log)
+        if args.plan:
+            return {"plan": estimate}
 
     # target (frozen) and data
     if args.target is None or args.data is None:
