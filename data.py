@@ -31,6 +31,7 @@ from pathlib import Path
 import datasets
 import jinja2
 import torch
+import transformers
 
 # -----------------------------------------------------------------------------
 # chat template options: --chat-template FILE, --chat-template-kwargs JSON
@@ -58,6 +59,27 @@ def parse_template_kwargs(text):
         raise ValueError(f"--chat-template-kwargs {text!r}: expected a JSON object such as "
                          f"'{{\"enable_thinking\": false}}', got {type(value).__name__}")
     return value
+
+
+def check_target_path(target):
+    """A local folder must be a model folder; anything else that exists locally is a mistake,
+    not a hub id (transformers would otherwise blame a missing tokenizer package)."""
+    p = Path(target)
+    if p.is_dir() and not (p / "config.json").is_file():
+        raise ValueError(f"--target {target}: the folder has no config.json, it is not a Hugging Face model folder")
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"--target {target}: a file, expected a model folder or a hub id")
+
+
+def load_tokenizer(target, chat_template=None):
+    """The target's tokenizer, with --chat-template's text if given and a pad token."""
+    check_target_path(target)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
+    if chat_template:
+        tokenizer.chat_template = load_chat_template(chat_template)
+    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 # -----------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import tiny_world as W
+import run_files as R
 import train as T
 from dflash2 import DFlash2Config, DFlash2Drafter
 
@@ -251,8 +252,8 @@ def test_resume_refuses_another_run(world, tmp_path, change):
 
 def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     for step in (1, 2, 3, 4, 5):
-        T.record(tmp_path, {"kind": "train", "step": step})
-    T.rewind_record(tmp_path, 3)
+        R.record(tmp_path, {"kind": "train", "step": step})
+    R.rewind_record(tmp_path, 3)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 

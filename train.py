@@ -19,14 +19,10 @@ the step is the whole data position and a resumed run repeats the uninterrupted 
 """
 import argparse
 import contextlib
-import dataclasses
-import hashlib
-import json
 import math
 import os
 import time
 from functools import lru_cache
-from pathlib import Path
 
 import datasets
 import torch
@@ -35,7 +31,9 @@ import transformers
 
 from dflash2 import DFlash2Config, DFlash2Drafter, check_target, dflash2_loss, sample_anchors, spec_generate
 from memory import check_fits, format_plan, memory_plan, read_target_config
-from data import load_chat_template, load_rows, parse_template_kwargs, read_conversations, regenerate_file
+from run_files import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
+                       weights_fingerprint)
+from data import load_rows, load_tokenizer, parse_template_kwargs, read_conversations, regenerate_file
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -151,27 +149,7 @@ def pad(rows, value):
 
 
 # -----------------------------------------------------------------------------
-# target, tokenizer and data (data.py: conversations -> input_ids + loss_mask = 1 on assistant tokens)
-
-
-def check_target_path(target):
-    """A local folder must be a model folder; anything else that exists locally is a mistake,
-    not a hub id (transformers would otherwise blame a missing tokenizer package)."""
-    p = Path(target)
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise ValueError(f"--target {target}: the folder has no config.json, it is not a Hugging Face model folder")
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"--target {target}: a file, expected a model folder or a hub id")
-
-
-def load_tokenizer(target, chat_template):
-    check_target_path(target)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
-    if chat_template:
-        tokenizer.chat_template = load_chat_template(chat_template)
-    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+# target and data (data.py: tokenizer, conversations -> input_ids + loss_mask = 1 on assistant tokens)
 
 
 def load_target(target, dtype_flag, device):
@@ -314,109 +292,6 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints
-
-
-def check_out_dir(out_dir):
-    """Fail before any work if --out-dir cannot be created or written."""
-    p = Path(out_dir).absolute()
-    while not p.exists():
-        p = p.parent
-    if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
-        raise ValueError(f"--out-dir {out_dir} is not writable ({p} is not a writable directory)")
-
-
-def weights_fingerprint(model):
-    """Cheap identity of a model's weights: float64 sums of its first and last tensors."""
-    params = list(model.parameters())
-    return [round(float(p.detach().double().sum()), 6) for p in (params[0], params[-1])]
-
-
-def data_fingerprint(rows):
-    """Rows count and a hash of 16 evenly spaced rows' token ids (the whole set can be GBs)."""
-    picks = sorted({i * (len(rows) - 1) // 15 for i in range(16)})
-    digest = hashlib.sha256(json.dumps([rows[i]["input_ids"].tolist() for i in picks]).encode()).hexdigest()[:16]
-    return {"rows": len(rows), "sample_sha256": digest}
-
-
-def run_identity(args, target_config, drafter_config, train_rows, total, warmup, global_batch, world):
-    """Everything a resumed run must share with the run it continues."""
-    target = {k: v for k, v in target_config.to_dict().items()
-              if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    return {"target_config": target, "data": data_fingerprint(train_rows), "seq_len": args.seq_len,
-            "schedule": {"steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch,
-                         "world": world, "seed": args.seed},
-            "drafter": dataclasses.asdict(drafter_config)}
-
-
-def check_resume(resume_file, run):
-    """Load resume.pt, refusing a run that differs in target, data, sequence length,
-    schedule or drafter architecture, and naming what differs."""
-    state = torch.load(resume_file, map_location="cpu", weights_only=True)
-    saved = state.get("run", {})
-    differ = [k for k in run if saved.get(k) != run[k]]
-    if differ:
-        detail = "; ".join(f"{k}: saved {diff(saved.get(k), run[k])}" for k in differ)
-        raise ValueError(f"--resume: {resume_file} belongs to another run ({detail}); use another --out-dir")
-    return state
-
-
-def diff(saved, now):
-    """The fields of two dicts that differ, as 'key a != b' (or the two values)."""
-    if isinstance(saved, dict) and isinstance(now, dict):
-        keys = sorted(k for k in set(saved) | set(now) if saved.get(k) != now.get(k))
-        return ", ".join(f"{k} {saved.get(k)!r} != now {now.get(k)!r}" for k in keys)
-    return f"{saved!r} != now {now!r}"
-
-
-def record(out_dir, entry):
-    """Append one log or eval line, as JSON, to OUT/metrics.jsonl: the run's record."""
-    with open(os.path.join(out_dir, "metrics.jsonl"), "a") as f:
-        f.write(json.dumps(entry) + "\n")
-
-
-def rewind_record(out_dir, step):
-    """A resumed run continues the record from its checkpoint: later lines of the killed run go."""
-    path = Path(out_dir) / "metrics.jsonl"
-    if path.exists():
-        kept = [line for line in path.read_text().splitlines(keepends=True) if json.loads(line)["step"] <= step]
-        path.with_suffix(".tmp").write_text("".join(kept))
-        os.replace(path.with_suffix(".tmp"), path)
-
-
-def plot_curves(out_dir):
-    """OUT/curves.png from the record: loss, expected AL (unary / selector / oracle) and the
-    per-slot accuracy of each evaluation, against steps."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    rows = [json.loads(line) for line in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
-    train_rows, evals = [r for r in rows if r["kind"] == "train"], [r for r in rows if r["kind"] == "eval"]
-    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    ax[0].plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss")
-    ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="val loss")
-    for key in ("al_unary", "al_selector", "al_oracle"):
-        ax[1].plot([r["step"] for r in train_rows if key in r], [r[key] for r in train_rows if key in r], label=key)
-    for r in evals:
-        ax[2].plot(range(1, len(r["slot_acc"]) + 1), r["slot_acc"], "o-", label=f"step {r['step']}")
-    for a, title in zip(ax, ("loss", "expected acceptance length (train batches)", "val accuracy per slot")):
-        a.set_title(title)
-        a.legend()
-    ax[0].set_xlabel("step"), ax[1].set_xlabel("step"), ax[2].set_xlabel("slot k")
-    fig.tight_layout()
-    fig.savefig(Path(out_dir) / "curves.png", dpi=80)
-    plt.close(fig)
-
-
-def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
-    """The servable export, then the resume state; each written under a temp name and renamed."""
-    drafter.save_pretrained(os.path.join(out_dir, "checkpoint"), dtype=getattr(torch, export_dtype))
-    tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
-    torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
-    os.replace(tmp, os.path.join(out_dir, "resume.pt"))
-
-
-# -----------------------------------------------------------------------------
 # training
 
 
@@ -490,7 +365,8 @@ def train(args):
     global_batch = args.batch_size * args.grad_accum * world
     total = math.ceil(args.epochs * len(train_rows) / global_batch) if args.epochs else args.steps
     warmup = max(1, round(args.warmup * total))
-    run = run_identity(args, target_config, drafter.config, train_rows, total, warmup, global_batch, world)
+    run = run_identity(target_config, drafter.config, train_rows, args.seq_len, {
+        "steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch, "world": world, "seed": args.seed})
     state = check_resume(resume_file, run) if args.resume else None  # before the target loads, too
 
     target = load_target(args.target, args.dtype, device)
