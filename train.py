@@ -2,20 +2,13 @@
 Train a DFlash2 drafter against a frozen target (ALGORITHM.md §6). A script, not a framework:
 arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -> export.
 
-    python train.py                                  # offline demo: ~9 min on 2 CPU cores, first run
-    python train.py --target Qwen/Qwen3-4B --data chats.jsonl --seq-len 3072 --max-anchors 512 \
-        --epochs 6 --num-layers 5 --batch-size 2 --grad-accum 4 --out-dir out/qwen3-4b
+    python train.py                                  # offline demo: tiny_world.py builds its world once
+    python train.py --target Qwen/Qwen3-4B --data chats.jsonl --plan     # memory plan, no weights loaded
     torchrun --nproc_per_node=8 train.py ...         # data parallel: one frozen target per rank
 
-With no --target the script first builds, once, an offline world under --cache-dir: a
-byte-level tokenizer with a ChatML template, conversations cut from the running Python's
-own standard library ("Continue this code:" + a prefix -> the rest), and a 1.8M-parameter
-Qwen3 pretrained on them from scratch and saved like any Hugging Face model, so the
-drafter then trains through the same code path as a real --target folder.
-
-Outputs under --out-dir: checkpoint/ (servable export, §7) and resume.pt (fp32 weights,
-optimizer, step). The data order and the anchor draws are functions of (seed, step), so
-the step is the whole data position and a resumed run repeats the uninterrupted one exactly.
+Outputs under --out-dir: checkpoint/ (servable export, §7), resume.pt, metrics.jsonl and
+curves.png (run_files.py). A row's place in the data stream fixes its order and its anchor
+draws, so a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
 import contextlib
