@@ -208,23 +208,25 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
     return loss.detach()
 
 
-def _rss():
+def _status(key):
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
 def _measure_child(spec):
     """In a fresh process: build target and drafter, take two steps (the second has AdamW
-    state), print as JSON the peak RSS above the RSS left after a tiny warm-up run."""
-    import resource
+    state), print as JSON the peak RSS above the RSS left after a tiny warm-up run. The
+    peak is the kernel's high-water mark, reset after the warm-up (not ru_maxrss: that one
+    starts at the RSS of the parent the process was forked from)."""
     torch.set_num_threads(1)
     tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
     warm = dict(spec, target=tiny, seq_len=16, max_anchors=2, batch_size=1, loss_chunk=spec["loss_chunk"] and 4)
     _run(warm)  # lazy imports, kernel and thread-pool set-up are not the step's memory
-    base = _rss()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = _status("VmRSS")
     seconds = _run(spec)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"peak": peak - base, "seconds": seconds}))
+    print(json.dumps({"peak": _status("VmHWM") - base, "seconds": seconds}))
 
 
 def _run(spec):
