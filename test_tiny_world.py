@@ -44,6 +44,11 @@ def test_repeat_share_matches_brute_force():
         assert W.repeat_share(ids) == pytest.approx(brute_force_repeat_share(ids, 4)), ids
 
 
+def test_repeated_line_share_counts_repeats_within_a_text():
+    texts = ["a = 1\nb = 2\na = 1\n\n\na = 1\n", "b = 2\nc = 3\n"]
+    assert W.repeated_line_share(texts) == 2 / 6, "two of six non-blank lines repeat an earlier line of their text"
+
+
 def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
     logs = []
     target, data = W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
@@ -59,6 +64,7 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
     assert rows[0][1]["content"] == tok.decode([t for t in greedy if t != tok.eos_token_id]), rows[0][1]
     quality = json.loads((tmp_path / "stdlib-v2-1steps-4prompts" / "quality.json").read_text())
     assert quality["held_out_loss"] > 0 and 0 <= quality["greedy_repeat_share"] <= 1, quality
+    assert 0 <= quality["greedy_repeated_lines"] <= 1 and 0 <= quality["corpus_repeated_lines"] < 0.1, quality
     assert any("held-out loss" in line for line in logs), logs
     logs.clear()
     assert W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3) == (target, data)

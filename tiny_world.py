@@ -138,6 +138,13 @@ def repeat_share(ids, run=4):
     return inside / max(1, len(ids))
 
 
+def repeated_line_share(texts):
+    """Share of the non-blank lines that repeat an earlier line of the same text: the loops
+    a weak model falls into a line at a time, which repeat_share does not see."""
+    lines = [[l for l in t.splitlines() if l.strip()] for t in texts]
+    return sum(len(ls) - len(set(ls)) for ls in lines) / max(1, sum(map(len, lines)))
+
+
 # -----------------------------------------------------------------------------
 # the world
 
@@ -164,9 +171,13 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
     greedy = [tokenizer(c[1]["content"])["input_ids"] for c in convs[-TINY_HELD_OUT:]]
     quality = {"held_out_loss": held_out_loss(model, token_stream(tokenizer, held)),
                "greedy_repeat_share": sum(repeat_share(g) * len(g) for g in greedy) / max(1, sum(map(len, greedy))),
+               "greedy_repeated_lines": repeated_line_share(c[1]["content"] for c in convs[-TINY_HELD_OUT:]),
+               "corpus_repeated_lines": repeated_line_share(c[1]["content"] for c in held),
                "greedy_sample": convs[-TINY_HELD_OUT], "build_seconds": time.time() - t0}
     log(f"tiny target: held-out loss {quality['held_out_loss']:.3f} | greedy tokens inside runs of >= 4 identical "
-        f"tokens {100 * quality['greedy_repeat_share']:.1f}% (held-out prompts) | built in {quality['build_seconds']:.0f}s")
+        f"tokens {100 * quality['greedy_repeat_share']:.1f}% | lines repeating an earlier line "
+        f"{100 * quality['greedy_repeated_lines']:.0f}% (corpus {100 * quality['corpus_repeated_lines']:.0f}%) | "
+        f"held-out prompts, greedy | built in {quality['build_seconds']:.0f}s")
     log(f"tiny target greedy sample:\n{convs[-TINY_HELD_OUT][0]['content']}\n>>>>>>>> the target continues:\n"
         f"{convs[-TINY_HELD_OUT][1]['content']}")
 
