@@ -161,10 +161,11 @@ def train_step_cost(args):
     ones = torch.ones_like(ids)
     anchors, valid = D.sample_anchors(ones, 64, g)
     with torch.no_grad():
-        out = target(ids, output_hidden_states=True)
+        out = target(ids, output_hidden_states=True, logits_to_keep=1)
 
-    def step(d):
-        loss, _ = D.dflash2_loss(d, target, ids, ones, ones, out.hidden_states, out.logits, anchors.to(dev), valid.to(dev))
+    def step(d):  # as train.py's steps run it: no metrics
+        loss, _ = D.dflash2_loss(d, target, ids, ones, ones, out.hidden_states, anchors.to(dev), valid.to(dev),
+                                 with_metrics=False)
         loss.backward()
     fns = {k: (lambda d=drafters[k]: step(d)) for k in ("DFlash", "DFlash2")}
     med = interleaved_medians(fns, 1 if args.quick else 10, warmup=1 if args.quick else 2, device=dev)
@@ -244,20 +245,20 @@ def spec_eval(drafter, target, prompts, args, temperature, stop_id):
 @torch.no_grad()
 def val_metrics(drafter, target, val, targs, pad_id, min_blocks):
     """train.py's validation metrics averaged over blocks (not batches), on at least
-    min_blocks blocks: extra passes over the rows draw new anchors."""
+    min_blocks blocks: every further pass over the rows draws new anchors."""
     import train as T
-    gen, total, n_blocks = torch.Generator().manual_seed(0), {}, 0
+    total, n_blocks, rounds = {}, 0, 0
     while n_blocks < min_blocks:
         for i in range(0, len(val), targs.batch_size):
             batch = T.collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
-            peek = torch.Generator()
-            peek.set_state(gen.get_state())  # the anchors loss_step is about to draw, to count them
-            n = int(D.sample_anchors(batch[2], targs.max_anchors, peek)[1].sum())
-            stats = T.loss_step(drafter, target, batch, targs, gen)[1]
+            seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
+            n = int(T.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
+            stats = T.loss_step(drafter, target, batch, targs, seeds)[1]
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
             n_blocks += n
+        rounds += 1
     return {"blocks": n_blocks, **{k: [x / n_blocks for x in v] if isinstance(v, list) else v / n_blocks
                                    for k, v in total.items()}}
 
