@@ -523,3 +523,38 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_ne
             eta = (time.time() - t0) / (done - start) * (len(conversations) - done)
             log(f"regenerate {done}/{len(conversations)} conversations | {time.time() - t0:.0f}s | "
                 f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
+
+
+# -----------------------------------------------------------------------------
+# the drafter's inputs: a mask token id, padded batches
+
+
+def choose_mask_token(flag, tokenizer, num_rows):
+    """An id that exists in the target's embedding table but is never a real word."""
+    if flag is not None:
+        if not 0 <= flag < num_rows:
+            raise ValueError(f"--mask-token-id {flag} is outside the target's embedding table [0, {num_rows})")
+        return flag
+    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < num_rows:
+        return tokenizer.mask_token_id
+    unused = sorted(set(range(num_rows)) - set(tokenizer.get_vocab().values()))
+    if not unused:
+        raise ValueError("the tokenizer has no mask token and every target embedding row is a real token: "
+                         "pass --mask-token-id with an id you know is unused")
+    return unused[0]
+
+
+def pad(rows, value):
+    """Right-pad lists of ids -> (ids (b, S), attention_mask (b, S))."""
+    S = max(len(r) for r in rows)
+    ids = torch.full((len(rows), S), value, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = torch.as_tensor(r)
+    return ids, (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
+
+
+def collate(cols, pad_id, device):
+    """Dataset columns of a batch (ds[indices]) -> padded (ids, attention_mask, loss_mask)."""
+    ids, attn = pad(cols["input_ids"], pad_id)
+    loss_mask, _ = pad(cols["loss_mask"], 0)
+    return ids.to(device), attn.to(device), loss_mask.to(device)

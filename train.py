@@ -26,7 +26,8 @@ from dflash2 import DFlash2Config, DFlash2Drafter, check_target, dflash2_loss, s
 from memory import check_fits, format_plan, memory_plan, read_target_config
 from run_files import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
                        weights_fingerprint)
-from data import load_rows, load_tokenizer, parse_template_kwargs, read_conversations, regenerate_file
+from data import (choose_mask_token, collate, load_rows, load_tokenizer, parse_template_kwargs, read_conversations,
+                  regenerate_file)
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -132,15 +133,6 @@ def lr_at(step, total, warmup, peak):
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
 
 
-def pad(rows, value):
-    """Right-pad lists of ids -> (ids (b, S), attention_mask (b, S))."""
-    S = max(len(r) for r in rows)
-    ids = torch.full((len(rows), S), value, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.as_tensor(r)
-    return ids, (torch.arange(S) < torch.tensor([len(r) for r in rows])[:, None]).long()
-
-
 # -----------------------------------------------------------------------------
 # target and data (data.py: tokenizer, conversations -> input_ids + loss_mask = 1 on assistant tokens)
 
@@ -165,28 +157,6 @@ def regenerate(args, log=print):
                     temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
                     batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
     log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
-
-
-def choose_mask_token(flag, tokenizer, num_rows):
-    """An id that exists in the target's embedding table but is never a real word."""
-    if flag is not None:
-        if not 0 <= flag < num_rows:
-            raise ValueError(f"--mask-token-id {flag} is outside the target's embedding table [0, {num_rows})")
-        return flag
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < num_rows:
-        return tokenizer.mask_token_id
-    unused = sorted(set(range(num_rows)) - set(tokenizer.get_vocab().values()))
-    if not unused:
-        raise ValueError("the tokenizer has no mask token and every target embedding row is a real token: "
-                         "pass --mask-token-id with an id you know is unused")
-    return unused[0]
-
-
-def collate(cols, pad_id, device):
-    """Dataset columns of a batch (ds[indices]) -> padded (ids, attention_mask, loss_mask)."""
-    ids, attn = pad(cols["input_ids"], pad_id)
-    loss_mask, _ = pad(cols["loss_mask"], 0)
-    return ids.to(device), attn.to(device), loss_mask.to(device)
 
 
 # -----------------------------------------------------------------------------
