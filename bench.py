@@ -1,5 +1,5 @@
 """
-DFlash2 measurements, in two parts.
+DFlash2 measurements, in parts (the default runs ablation and cost).
 
   ablation  train DFlash, +conv, +selector and DFlash2 with train.py against the offline
             tiny-world target, same data and steps, for several seeds; measure real
@@ -12,6 +12,9 @@ DFlash2 measurements, in two parts.
   cost      draft-step time at a Qwen3-4B-like drafter shape with random weights, with
             and without the convolution and the selector, the walk alone, and the
             training-step time of DFlash vs DFlash2 at a small shape.
+  memory    peak memory of one training step against --max-anchors at V = 151936,
+            chunked vs unchunked loss, with the plan's estimate (memory.memory_table).
+  gpu       the GPU check of memory.gpu_check: one CUDA device, under 8 minutes.
 
 python bench.py --parts ablation   # 3 seeds × 4 drafters, 64 prompts (2-core CPU: about an hour)
 python bench.py --quick            # a smoke run of both parts in about a minute
@@ -20,7 +23,6 @@ import argparse
 import copy
 import dataclasses
 import json
-import math
 import os
 import shlex
 import statistics
@@ -30,6 +32,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2 as D
+import memory
 
 VARIANTS = {  # name -> (conv_kernel_size, selector_top_k); 0 switches a part off
     "DFlash": (0, 0),
@@ -42,7 +45,7 @@ VARIANTS = {  # name -> (conv_kernel_size, selector_top_k); 0 switches a part of
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run in a few minutes")
-    p.add_argument("--parts", default="ablation,cost", help="comma-separated subset of: ablation, cost")
+    p.add_argument("--parts", default="ablation,cost", help="comma-separated subset of: ablation, cost, memory, gpu")
     p.add_argument("--out-dir", default="bench_out", help="where results.json, results.md and the plot go")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device for the cost part")
     g = p.add_argument_group("ablation")
@@ -414,9 +417,9 @@ def check_args(args):
         raise ValueError(f"--eval-prompts ({args.eval_prompts}) and --eval-tokens ({args.eval_tokens}) must be >= 1")
     if not args.temperatures or any(not t >= 0 for t in args.temperatures):
         raise ValueError(f"--temperatures {args.temperatures} must be one or more numbers >= 0")
-    unknown = set(args.parts.split(",")) - {"ablation", "cost"}
+    unknown = set(args.parts.split(",")) - {"ablation", "cost", "memory", "gpu"}
     if unknown:
-        raise ValueError(f"--parts: unknown part(s) {sorted(unknown)}; choose from ablation, cost")
+        raise ValueError(f"--parts: unknown part(s) {sorted(unknown)}; choose from ablation, cost, memory, gpu")
 
 
 def main(args):
@@ -432,6 +435,10 @@ def main(args):
     if "ablation" in parts:
         results["ablation"] = ablation(args)
         plot(results["ablation"], os.path.join(args.out_dir, "per_slot_acceptance.png"))
+    if "memory" in parts:
+        results["memory"] = memory.memory_table(plot=os.path.join(args.out_dir, "memory.png"))
+    if "gpu" in parts:
+        results["gpu"] = memory.gpu_check()
     results["wall_seconds"] = time.time() - t0
     report = markdown(results)
     print(report)

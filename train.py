@@ -66,7 +66,7 @@ def parse_args(argv=None):
                    help="target weights (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="offline world (tokenizer, conversations, tiny target) and local datasets' Arrow cache")
-    g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=400,
+    g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=600,
                    help="pretraining steps of the offline tiny target (cached per value)")
     g = p.add_argument_group("drafter")
     g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
@@ -84,7 +84,7 @@ def parse_args(argv=None):
     g.add_argument("--gamma", type=at_least(0, float, strict=True), help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
     g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
-    g.add_argument("--max-anchors", type=at_least(1), default=32,
+    g.add_argument("--max-anchors", type=at_least(1), default=16,
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
