@@ -451,4 +451,7 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(parse_args())
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad flags: one line, before any work
+        raise SystemExit(f"bench.py: {e}") from None
