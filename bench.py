@@ -29,7 +29,6 @@ import statistics
 import time
 
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2 as D
 import memory
@@ -66,30 +65,6 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-# -----------------------------------------------------------------------------
-# timing
-
-
-def interleaved_medians(fns, repeats, warmup=2, device=torch.device("cpu")):
-    """Run every fn once per round, rounds interleaved so drift hits all alike; the median
-    over rounds in seconds per fn, warm-up rounds excluded."""
-    times = {k: [] for k in fns}
-    for r in range(warmup + repeats):
-        for k, fn in fns.items():
-            t0 = D._now(device)
-            fn()
-            if r >= warmup:
-                times[k].append(D._now(device) - t0)
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
-def random_target(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, dtype, device):
-    cfg = Qwen3Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
-                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      head_dim=head_dim, max_position_embeddings=4096)
-    return Qwen3ForCausalLM(cfg).to(device, dtype).eval()
-
-
 def variant_drafters(target_config, dtype, device, **shape):
     """The four variants over one shared backbone (the same tensors, not copies), with the
     DFlash2 parts randomised away from their identity init so they do real work."""
@@ -119,7 +94,7 @@ def draft_step_cost(args):
     quick = args.quick
     shape = dict(hidden=512, layers=2, heads=8, kv_heads=2, head_dim=64, intermediate=1536, vocab=32000) if quick else \
         dict(hidden=2560, layers=2, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936)  # Qwen3-4B widths
-    target = random_target(**shape, dtype=dtype, device=dev)
+    target = memory.random_target(**shape, dtype=dtype, device=dev)
     drafters = variant_drafters(target.config, dtype, dev, num_layers=5, block_size=8, mask_token_id=shape["vocab"] - 1,
                                 target_layer_ids=[0, 1], selector_rank=256, conv_group_size=16)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
@@ -143,7 +118,7 @@ def draft_step_cost(args):
     h = full(embed(block), pos, no_ctx, no_pos, cache=caches["DFlash2"])[:, 1:]
     unary = lm_head(h).float()
     fns["walk alone"] = lambda: full.candidate_selector.walk(h, unary, block[:, 0])
-    med = interleaved_medians(fns, 1 if quick else args.repeats, warmup=1 if quick else 2, device=dev)
+    med = memory.median_seconds(fns, 1 if quick else args.repeats, warmup=1 if quick else 2, device=dev)
     base = med["DFlash"]
     return {"shape": {**shape, "draft_layers": 5, "block": B, "K": 16, "R": 256, "context": args.context,
                       "dtype": args.dtype, "device": str(dev)},
@@ -155,7 +130,7 @@ def train_step_cost(args):
     """Forward + backward of dflash2_loss (target forward included) at a small shape."""
     dev, dtype = torch.device(args.device), torch.float32
     shape = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=4096)
-    target = random_target(**shape, dtype=dtype, device=dev)
+    target = memory.random_target(**shape, dtype=dtype, device=dev)
     drafters = variant_drafters(target.config, dtype, dev, num_layers=2, block_size=8, mask_token_id=shape["vocab"] - 1,
                                 target_layer_ids=[0, 2], selector_rank=64, conv_group_size=16)
     g = torch.Generator().manual_seed(0)
@@ -171,7 +146,7 @@ def train_step_cost(args):
                                  with_metrics=False)
         loss.backward()
     fns = {k: (lambda d=drafters[k]: step(d)) for k in ("DFlash", "DFlash2")}
-    med = interleaved_medians(fns, 1 if args.quick else 10, warmup=1 if args.quick else 2, device=dev)
+    med = memory.median_seconds(fns, 1 if args.quick else 10, warmup=1 if args.quick else 2, device=dev)
     return {"shape": {**shape, "draft_layers": 2, "seq": S, "batch": batch, "anchors": 64},
             "median_ms": {k: 1e3 * v for k, v in med.items()},
             "ratio_dflash2_vs_dflash": med["DFlash2"] / med["DFlash"]}

@@ -163,16 +163,20 @@ def context_features(hidden_states, layer_ids):
     return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, nf·H)
 
 
-def check_target(c, target):
-    """A drafter only fits the target it was built for: same width, vocabulary and layer
-    count, and a mask token inside the embedding table. -> (embedding, lm_head), borrowed."""
-    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    found = {"num_target_layers": target.config.num_hidden_layers, "hidden_size": embed.weight.shape[1],
-             "vocab_size": lm_head.weight.shape[0]}
-    for name, value in found.items():
+def check_target_shape(c, num_target_layers, hidden_size, vocab_size):
+    """A drafter only fits the target it was built for: same layer count, width and vocabulary."""
+    for name, value in (("num_target_layers", num_target_layers), ("hidden_size", hidden_size),
+                        ("vocab_size", vocab_size)):
         if getattr(c, name) != value:
             raise ValueError(f"the drafter has {name} {getattr(c, name)} but the target has {value}: "
                              "a drafter only fits the target it was trained for")
+
+
+def check_target(c, target):
+    """check_target_shape on the loaded target, and a mask token inside its embedding table.
+    -> (embedding, lm_head), borrowed."""
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    check_target_shape(c, target.config.num_hidden_layers, embed.weight.shape[1], lm_head.weight.shape[0])
     if not c.mask_token_id < embed.weight.shape[0]:
         raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's embedding table "
                          f"[0, {embed.weight.shape[0]})")
@@ -641,7 +645,8 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
         parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if chunk_size
                      else sums(*chunk))
     totals = [sum(p) for p in zip(*parts)]
-    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w.sum(), totals[2] if c.selector_top_k else w.sum())
+    w_unary = w.sum()
+    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w_unary, totals[2] if c.selector_top_k else w_unary)
     loss = unary_loss = totals[0] / w_unary.clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
     if c.selector_top_k:
@@ -981,8 +986,8 @@ def refuse_unsupported(raw, where):
     for name, ok in supported.items():
         if not ok:
             value = rope if name == "rope_parameters" else raw[name]
-            raise ValueError(f"{where}: {name} = {value!r} is not supported by this implementation "
-                             "(only the plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
+            raise ValueError(f"{where}: {name} = {value!r} is not supported by this implementation (only the "
+                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
 
 
 def load_checkpoint(path, dtype=torch.float32, **overrides):

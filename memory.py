@@ -297,21 +297,15 @@ def plot_memory_table(rows, path, title):
     plt.close(fig)
 
 
-def _now(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter()
-
-
 def median_seconds(fns, repeats, warmup=1, device="cpu"):
     """Median seconds per call of each fn, rounds interleaved so drift hits all alike."""
     times = {k: [] for k in fns}
     for r in range(warmup + repeats):
         for k, fn in fns.items():
-            t0 = _now(device)
+            t0 = dflash2._now(torch.device(device))
             fn()
             if r >= warmup:
-                times[k].append(_now(device) - t0)
+                times[k].append(dflash2._now(torch.device(device)) - t0)
     return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
 
 

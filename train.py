@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import DFlash2Config, DFlash2Drafter, check_target, dflash2_loss, sample_anchors, spec_generate
+from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_shape, dflash2_loss, sample_anchors,
+                     spec_generate)
 from memory import check_fits, format_plan, memory_plan, read_target_config
 from run_files import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
                        weights_fingerprint)
@@ -58,14 +59,16 @@ def parse_args(argv=None):
     g.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
     g.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
                    "'{\"enable_thinking\": false}'")
-    g.add_argument("--val-size", type=at_least(1), default=32, help="last rows held out for validation and spec_generate")
-    g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens (paper: 3072)")
+    g.add_argument("--val-size", type=at_least(1), default=32,
+                   help="last rows held out for validation and spec_generate")
+    g.add_argument("--seq-len", type=at_least(2), default=512,
+                   help="rows are truncated to this many tokens (paper: 3072)")
     g.add_argument("--mask-token-id", type=int, help="id of the MASK slots; unset: the tokenizer's mask token, "
                    "else the first target embedding row that no token uses")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="target weights (auto: bfloat16 on GPU, float32 on CPU)")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
-                   help="offline world (tokenizer, conversations, tiny target) and local datasets' Arrow cache")
+                   help="the offline world (tokenizer, tiny target, on-policy conversations)")
     g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=600,
                    help="pretraining steps of the offline tiny target (cached per value)")
     g = p.add_argument_group("drafter")
@@ -81,7 +84,8 @@ def parse_args(argv=None):
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
     g.add_argument("--loss", default="kl", choices=["kl", "ce"], help="unary loss: forward KL or CE on target argmax")
-    g.add_argument("--gamma", type=at_least(0, float, strict=True), help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
+    g.add_argument("--gamma", type=at_least(0, float, strict=True),
+                   help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
     g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
     g.add_argument("--max-anchors", type=at_least(1), default=16,
@@ -90,7 +94,8 @@ def parse_args(argv=None):
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
-    g.add_argument("--warmup", type=at_least(0, float), default=0.04, help="warmup fraction of the steps, then cosine to 0")
+    g.add_argument("--warmup", type=at_least(0, float), default=0.04,
+                   help="warmup fraction of the steps, then cosine to 0")
     g.add_argument("--weight-decay", type=at_least(0, float), default=0.0, help="AdamW weight decay")
     g.add_argument("--grad-clip", type=at_least(0, float), default=1.0, help="max gradient norm (0 disables)")
     g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward: "
@@ -98,7 +103,8 @@ def parse_args(argv=None):
     g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
     g.add_argument("--grad-accum", type=at_least(1), default=1, help="micro-steps per optimizer step")
     g.add_argument("--steps", type=at_least(1), default=300, help="optimizer steps")
-    g.add_argument("--epochs", type=at_least(0, float, strict=True), help="passes over the data; overrides --steps when set")
+    g.add_argument("--epochs", type=at_least(0, float, strict=True),
+                   help="passes over the data; overrides --steps when set")
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoint/ and resume.pt go here")
     g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
@@ -315,11 +321,8 @@ def train(args):
         drafter = DFlash2Drafter.from_pretrained(args.init_from)
         if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
             drafter = DFlash2Drafter.from_pretrained(args.init_from, **parts)
-        for name, want in (("hidden_size", target_config.hidden_size), ("vocab_size", target_config.vocab_size),
-                           ("num_target_layers", target_config.num_hidden_layers)):
-            if getattr(drafter.config, name) != want:
-                raise ValueError(f"--init-from {args.init_from} has {name} {getattr(drafter.config, name)} but the "
-                                 f"target has {want}: a drafter only fits the target it was trained for")
+        check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
+                           target_config.vocab_size)  # before the target's weights load
     else:
         layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
         drafter = DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers,
@@ -333,7 +336,7 @@ def train(args):
     state = check_resume(resume_file, run) if args.resume else None  # before the target loads, too
 
     target = load_target(args.target, args.dtype, device)
-    check_target(drafter.config, target)  # --init-from: a drafter only fits the target it was trained for
+    check_target(drafter.config, target)  # the loaded tables themselves, and the mask token
     fingerprint = weights_fingerprint(target)
     if state is not None and state["target_weights"] != fingerprint:
         raise ValueError(f"--resume: the target's weights differ from the run in {resume_file} "
@@ -375,10 +378,9 @@ def train(args):
 
     losses, summary, t_start, t_log, tokens, start_step = {}, {}, time.time(), time.time(), 0, step
     while step < total:
-        micro_stats = []
+        micro_stats, log_step = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
             batch, seeds = micro_batch(step, micro)
-            log_step = (step + 1) % args.log_every == 0 or step + 1 == total  # metrics cost host syncs
             last = micro == args.grad_accum - 1  # gradients are averaged across ranks once, after the last
             with model.no_sync() if model is not None and not last else contextlib.nullcontext():
                 loss, stats = loss_step(drafter, target, batch, args, seeds, log_step, model)
