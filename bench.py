@@ -1,8 +1,9 @@
 """
 DFlash2 measurements, in parts (the default runs ablation and cost).
 
-  ablation  train DFlash, +conv, +selector and DFlash2 with train.py against the offline
-            tiny-world target, same data and steps, for several seeds; measure real
+  ablation  train DFlash, +conv, +selector and DFlash2 (and DFlash2 with soft selector
+            labels, an option of §6) with train.py against the offline tiny-world
+            target, same data and steps, for several seeds; measure real
             acceptance length with spec_generate on held-out prompts at each temperature
             (the selector drafters also with their selector switched off: the unary path),
             the expected AL of the unary / selector / oracle top-K paths on validation
@@ -16,7 +17,7 @@ DFlash2 measurements, in parts (the default runs ablation and cost).
             chunked vs unchunked loss, with the plan's estimate (memory.memory_table).
   gpu       the GPU check of memory.gpu_check: one CUDA device, under 8 minutes.
 
-python bench.py --parts ablation   # 3 seeds × 4 drafters, 64 prompts (2-core CPU: about an hour)
+python bench.py --parts ablation   # 3 seeds × 5 drafters, 64 prompts (2-core CPU: see the README)
 python bench.py --quick            # a smoke run of both parts in about a minute
 """
 import argparse
@@ -39,6 +40,14 @@ VARIANTS = {  # name -> (conv_kernel_size, selector_top_k); 0 switches a part of
     "+selector": (0, 16),
     "DFlash2": (2, 16),
 }
+SOFT = "DFlash2 (soft labels)"  # DFlash2 trained with --selector-labels soft, an option of §6
+DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
+    "DFlash": ["--conv-kernel-size", "0", "--selector-top-k", "0"],
+    "+conv": ["--selector-top-k", "0"],
+    "+selector": ["--conv-kernel-size", "0"],
+    "DFlash2": [],
+    SOFT: ["--selector-labels", "soft"],
+}
 
 
 def parse_args(argv=None):
@@ -49,8 +58,11 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="device for the cost part")
     g = p.add_argument_group("ablation")
     g.add_argument("--seeds", type=int, default=3, help="training seeds per variant")
+    g.add_argument("--drafters", type=lambda s: s.split(","), default=list(DRAFTERS),
+                   help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
     g.add_argument("--steps", type=int, default=None, help="drafter training steps per variant (default: train.py's)")
-    g.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--block-size 16'")
+    g.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--block-size 16' or "
+                   "'--selector-top-k 64' (the parts' sizes)")
     g.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for spec_generate")
     g.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
     g.add_argument("--temperatures", type=lambda s: [float(t) for t in s.split(",")], default=[0.0, 1.0],
@@ -199,8 +211,10 @@ def slot_ci(accepted, reached):
 
 
 def without_selector(drafter):
-    """The same drafter (shared weights) proposing by unary argmax: its selector switched off."""
+    """The same drafter (shared weights) with its selector switched off: it proposes from
+    the unary logits, and its metrics are a selector-less drafter's."""
     unary_only = copy.copy(drafter)
+    unary_only._modules = {**drafter._modules, "candidate_selector": None}  # the original keeps its selector
     unary_only.config = dataclasses.replace(drafter.config, selector_top_k=0)
     return unary_only
 
@@ -269,17 +283,17 @@ def ablation(args):
                "temperatures": args.temperatures, "train_flags": base[2:], "variants": {},
                "autoregressive_tokens_per_s": sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline)}
     for seed in range(args.seeds):  # seed by seed, so that a long run reports what it has so far
-        for name, (taps, top_k) in VARIANTS.items():
-            out = os.path.join(args.out_dir, f"{name}-seed{seed}")
+        for name in args.drafters:
+            out = os.path.join(args.out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
+            run_args = T.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name]])
             t0 = time.time()
-            T.train(T.parse_args(base + ["--out-dir", out, "--seed", str(seed), "--conv-kernel-size", str(taps),
-                                         "--selector-top-k", str(top_k)]))
+            T.train(run_args)
             train_seconds = time.time() - t0
-            # a partial variant exports as a full DFlash2 with its missing part at the identity (§9);
+            # a partial variant exports as a full DFlash2 with its missing part at the identity (§7);
             # +conv then proposes through its own unary path, as a drafter with no selector does
             drafter = D.DFlash2Drafter.from_pretrained(os.path.join(out, "checkpoint")).eval()
             unary = without_selector(drafter)
-            paths = {name: drafter, f"{name}, unary path": unary} if top_k else {name: unary}
+            paths = {name: drafter, f"{name}, unary path": unary} if run_args.selector_top_k else {name: unary}
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
             for label, d in paths.items():
                 r = results["variants"].setdefault(label, {"train_seconds": [], "val": [], "spec": {}})
@@ -310,13 +324,16 @@ def summarize(a):
                     "target_forwards_per_token": sum(x["target_forwards"] for x in runs) /
                                                  sum(x["new_tokens"] for x in runs)}
             base = label.removesuffix(", unary path")
-            if label != "DFlash" and label == base:
+            if label != "DFlash" and label == base and "DFlash" in a["variants"]:
                 s[t]["ratio_vs_dflash"] = ratio_ci(grid(label, t, "al"), grid("DFlash", t, "al"))
             if f"{label}, unary path" in a["variants"]:
                 s[t]["ratio_vs_unary_path"] = ratio_ci(grid(label, t, "al"), grid(f"{label}, unary path", t, "al"))
+            if label == SOFT and "DFlash2" in a["variants"]:
+                s[t]["ratio_vs_argmax_labels"] = ratio_ci(grid(label, t, "al"), grid("DFlash2", t, "al"))
         if r["val"]:
             s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in
-                        ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc")
+                        ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc",
+                         "accept_unary", "accept_selector", "mass_at_k")
                         if k in r["val"][0]}
             s["val"]["selector_path_acc"] = [statistics.mean(x) for x in zip(*(v["selector_path_acc"] for v in r["val"]))] \
                 if "selector_path_acc" in r["val"][0] else None
@@ -338,19 +355,22 @@ def markdown(results):
                   f"forwards per token at {temps[0]}; autoregressive baseline "
                   f"{a['autoregressive_tokens_per_s']:.1f} tok/s", "",
                   "| drafter | " + " | ".join(f"AL {t}" for t in temps) + " | expected AL unary / selector / oracle "
-                  "(val) | recall@K | selector tf-acc | tok/s | target fwd / token |",
-                  "|---|" + "---|" * (len(temps) + 5)]
+                  "(val) | T=1 acceptance unary / selector / top-K mass (val) | recall@K | selector tf-acc | tok/s | "
+                  "target fwd / token |", "|---|" + "---|" * (len(temps) + 6)]
         for label, s in a["summary"].items():
             v = s.get("val", {})
-            f = lambda k: f"{v[k]:.2f}" if k in v else "-"
-            expected = f"{f('al_unary')} / {f('al_selector')} / {f('al_oracle')}" if v else ""
+            f = lambda k: (f"{v[k]:.2f}" if k in v else "-") if v else ""
+            three = lambda *keys: " / ".join(map(f, keys)) if v else ""
             lines.append(f"| {label} | " + " | ".join(ci(*s[t]["al"]) for t in temps) +
-                         f" | {expected} | {f('recall_at_k') if v else ''} | {f('selector_tf_acc') if v else ''} | "
-                         f"{s[temps[0]]['tokens_per_s']:.1f} | {s[temps[0]]['target_forwards_per_token']:.3f} |")
+                         f" | {three('al_unary', 'al_selector', 'al_oracle')} | "
+                         f"{three('accept_unary', 'accept_selector', 'mass_at_k')} | {f('recall_at_k')} | "
+                         f"{f('selector_tf_acc')} | {s[temps[0]]['tokens_per_s']:.1f} | "
+                         f"{s[temps[0]]['target_forwards_per_token']:.3f} |")
         blocks = [s["val"]["blocks"] for s in a["summary"].values() if "val" in s]
         lines += ["", f"Expected AL and accuracies: mean over seeds of {min(blocks):.0f}+ validation blocks each.", ""]
         for label, s in a["summary"].items():
-            for key, what in (("ratio_vs_dflash", "DFlash"), ("ratio_vs_unary_path", "its unary path")):
+            for key, what in (("ratio_vs_dflash", "DFlash"), ("ratio_vs_unary_path", "its unary path"),
+                              ("ratio_vs_argmax_labels", "DFlash2 (argmax labels)")):
                 if key in s[temps[0]]:
                     lines.append(f"- {label} / {what}: " + ", ".join(f"{t} {ci(*s[t][key])}×" for t in temps))
         lines.append("")
@@ -372,7 +392,7 @@ def plot(a, path):
     temps = [f"T={t:g}" for t in a["temperatures"]]
     fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), sharey=True, squeeze=False)
     for ax, t in zip(axes[0], temps):
-        for name in VARIANTS:
+        for name in (n for n in a["summary"] if not n.endswith("unary path")):
             rate, lo, hi = a["summary"][name][t]["slot_acceptance"]
             k = range(1, len(rate) + 1)
             ax.plot(k, rate, marker="o", label=name)
@@ -388,6 +408,9 @@ def check_args(args):
     """Bad flags fail here, before any training."""
     if args.seeds < 1:
         raise ValueError(f"--seeds ({args.seeds}) must be >= 1")
+    if not set(args.drafters) <= set(DRAFTERS):
+        raise ValueError(f"--drafters: unknown drafter(s) {sorted(set(args.drafters) - set(DRAFTERS))}; "
+                         f"choose from {', '.join(DRAFTERS)}")
     if args.eval_prompts < 1 or args.eval_tokens < 1:
         raise ValueError(f"--eval-prompts ({args.eval_prompts}) and --eval-tokens ({args.eval_tokens}) must be >= 1")
     if not args.temperatures or any(not t >= 0 for t in args.temperatures):

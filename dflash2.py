@@ -548,20 +548,21 @@ def head_logits(lm_head, x):
     return y.to(torch.promote_types(y.dtype, torch.float32))
 
 
-def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False):
+def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False, selector_labels="argmax"):
     """The §6 terms of each slot, for slots laid out any way (...):
 
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
                 ce: −log q_y,                     y = argmax ref (the target's token)
-        sel     −log softmax_K(E(prev, C))_y,     C = topk(unary, K), E the edge scores (§3)
+        sel     −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(unary, K), E the edge scores (§3)
+                π = one-hot(y) ("argmax") or p ("soft"), restricted to C
 
     h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
-    predecessor ids -> (unary term, selector CE, y ∈ C), each (...); the last two are None
-    without a selector. The CE is meaningless where y ∉ C: the caller weights it by y ∈ C."""
+    predecessor ids -> (unary term, selector term, Σ_{c∈C} π_c: the slot's selector weight),
+    each (...); the last two are None without a selector."""
     logq = F.log_softmax(unary, dim=-1)
     label = ref.argmax(-1)
-    if loss_type == "kl":
-        p = F.softmax(ref, dim=-1)  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
+    p = F.softmax(ref, dim=-1)
+    if loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
         term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
     else:
         term = -logq.gather(-1, label[..., None]).squeeze(-1)
@@ -569,35 +570,34 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
         return term, None, None
     h, unary = (h.detach(), unary.detach()) if detach_selector else (h, unary)
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
-    hit = cand == label[..., None]
-    scores = selector.edge_scores(h, unary, prev, cand)
-    ce = F.cross_entropy(scores.flatten(0, -2), hit.float().argmax(-1).flatten(), reduction="none")
-    return term, ce.view_as(label), hit.any(-1)
+    pi = (cand == label[..., None]).to(p.dtype) if selector_labels == "argmax" else p.gather(-1, cand)
+    log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
+    return term, -(pi * log_sel.to(p.dtype)).sum(-1), pi.sum(-1)
 
 
-def weighted_sums(selector, lm_head, loss_type, detach_selector, h, ref_h, prev, w):
-    """Σ w·unary term, and with a selector Σ w·CE and Σ w over slots whose label is among
-    the candidates, for a run of slots: h / ref_h (n, H) drafter / target final hidden
-    states, prev / w (n,). Only (n, V) logits live here, so n bounds the loss's memory."""
-    term, ce, hit = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector, loss_type,
-                                detach_selector)
-    if ce is None:
+def weighted_sums(selector, lm_head, loss_type, detach_selector, selector_labels, h, ref_h, prev, w):
+    """Σ w·unary term, and with a selector Σ w·selector term and Σ w·(selector weight), for
+    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,).
+    Only (n, V) logits live here, so n bounds the loss's memory."""
+    term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector, loss_type,
+                                  detach_selector, selector_labels)
+    if sel is None:
         return ((w * term).sum(),)
-    ws = w * hit
-    return (w * term).sum(), (ws * ce.to(term.dtype)).sum(), ws.sum()
+    return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
 
 
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
                  loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True,
-                 forward=None, weight_sums=None):
+                 forward=None, weight_sums=None, selector_labels="argmax"):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
     loss_mask[t] = 1. Its target distribution is the target's logits at t - 1, computed as
     lm_head(hidden_states[-1][t - 1]) (HF's last hidden state is after the final norm) for
-    counted slots only. L_unary = Σ w·term / Σ w, w_k = exp(-(k-1)/γ); L_sel = Σ w·CE / Σ w
-    over slots whose label is among the top-K (the selector can never pick any other); the
-    terms are slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
+    counted slots only. L_unary = Σ w·term / Σ w, w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m,
+    m = the labels' mass on the top-K: with argmax labels 1[y ∈ C], so slots the selector
+    could never get right are left out; with soft labels Σ_{c∈C} p(c). The terms are
+    slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
 
     chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
     slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
@@ -608,6 +608,8 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     their mean over ranks, so that the averaged gradients are those of the global batch."""
     if loss_type not in ("kl", "ce"):
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
+    if selector_labels not in ("argmax", "soft"):
+        raise ValueError(f"selector_labels ({selector_labels!r}) must be 'argmax' or 'soft'")
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
     if not alpha >= 0:
@@ -637,7 +639,8 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, loss_type, detach_selector)
+    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, loss_type, detach_selector,
+                             selector_labels)
     n = chunk_size or max(1, len(idx))
     parts = []
     for i in range(0, max(1, len(idx)), n):
@@ -662,17 +665,22 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
 
 def _metric_hits(drafter, lm_head, h, ref_h, prev):
-    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) bool per metric: unary
-    argmax right, label among the top-K, teacher-forced selector pick right, and the
-    self-conditioned walk right (it feeds its own choices forward from the anchor)."""
-    unary, label = head_logits(lm_head, h), head_logits(lm_head, ref_h).argmax(-1)
-    hits = {"unary": unary.argmax(-1) == label}
+    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for
+    unary argmax right, label among the top-K, teacher-forced selector pick right, and the
+    self-conditioned walk right (it feeds its own choices forward from the anchor); float
+    for the T = 1 acceptance probabilities Σ min(p, q) of the unary law and the selector's,
+    and the target's mass on the top-K (the most the selector's can reach)."""
+    unary, ref = head_logits(lm_head, h), head_logits(lm_head, ref_h)
+    label, p = ref.argmax(-1), F.softmax(ref, dim=-1)
+    hits = {"unary": unary.argmax(-1) == label, "accept_unary": torch.minimum(p, F.softmax(unary, dim=-1)).sum(-1)}
     sel = drafter.candidate_selector
     if sel is not None:
         cand = unary.topk(sel.top_k, dim=-1).indices
-        tf_pick = cand.gather(-1, sel.edge_scores(h, unary, prev, cand).argmax(-1, keepdim=True)).squeeze(-1)
+        scores, p_cand = sel.edge_scores(h, unary, prev, cand), p.gather(-1, cand)
+        tf_pick = cand.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         hits.update(oracle=(cand == label[..., None]).any(-1), tf=tf_pick == label,
-                    walk=sel.walk(h, unary, prev[:, 0])[0] == label)
+                    walk=sel.walk(h, unary, prev[:, 0])[0] == label, mass_at_k=p_cand.sum(-1),
+                    accept_selector=torch.minimum(p_cand, F.softmax(scores, dim=-1).to(p.dtype)).sum(-1))
     return hits
 
 
@@ -688,15 +696,17 @@ def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size):
     blocks = counted[..., 0]
     n_blocks = blocks.sum().clamp(min=1)
     per_slot = lambda hit, among: ((hit & among).sum((0, 1)) / among.sum((0, 1)).clamp(min=1)).tolist()
-    overall = lambda hit: ((hit & counted).sum() / counted.sum().clamp(min=1)).item()
+    overall = lambda hit: ((hit * counted).sum() / counted.sum().clamp(min=1)).item()
     mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
-    m = {"slot_acc": per_slot(hit["unary"], counted), "al_unary": mean_al(hit["unary"])}
+    m = {"slot_acc": per_slot(hit["unary"], counted), "al_unary": mean_al(hit["unary"]),
+         "accept_unary": overall(hit["accept_unary"])}
     if "walk" in hit:
         run = (hit["walk"] & counted).long().cumprod(-1).bool()
         reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right
         m.update(recall_at_k=overall(hit["oracle"]), selector_tf_acc=overall(hit["tf"]),
                  selector_path_acc=per_slot(hit["walk"], reached),
-                 al_selector=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]))
+                 al_selector=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]),
+                 accept_selector=overall(hit["accept_selector"]), mass_at_k=overall(hit["mass_at_k"]))
     return m
 
 

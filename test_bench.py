@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import bench
+import dflash2 as D
 
 
 def test_bootstrap_over_prompts_matches_exact_enumeration():
@@ -50,8 +51,23 @@ def test_ratio_is_paired_and_slot_rate_pools_counts():
     assert all(l <= r <= h for l, r, h in zip(lo, rate, hi)), (lo, rate, hi)
 
 
+def test_without_selector_proposes_by_unary_argmax_and_leaves_the_original_alone():
+    c = D.DFlash2Config(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=50,
+                        num_target_layers=4, target_layer_ids=[1], mask_token_id=0, num_layers=1, selector_rank=8)
+    drafter = D.DFlash2Drafter(c)
+    unary = bench.without_selector(drafter)
+    assert unary.candidate_selector is None and unary.config.selector_top_k == 0, "the copy still has a selector"
+    assert drafter.candidate_selector is not None and drafter.config.selector_top_k == 16, "the original lost its selector"
+    assert unary.layers is drafter.layers, "the copy must share the drafter's weights"
+    g = torch.Generator().manual_seed(0)
+    h, logits = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 50, generator=g)
+    assert torch.equal(unary.propose(h, logits, torch.tensor([1, 2, 3]))[0], logits.argmax(-1))
+    assert not any(k.startswith("candidate_selector.") for k in unary.state_dict())
+    assert any(k.startswith("candidate_selector.") for k in drafter.state_dict())
+
+
 @pytest.mark.parametrize("flag", [["--seeds", "0"], ["--eval-prompts", "0"], ["--temperatures", "0,-1"],
-                                  ["--parts", "ablation,speed"]])
+                                  ["--parts", "ablation,speed"], ["--drafters", "DFlash,DFlash3"]])
 def test_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     monkeypatch.setattr(bench, "ablation", lambda args: pytest.fail("the ablation started"))
     monkeypatch.setattr(bench, "draft_step_cost", lambda args: pytest.fail("the cost part started"))
@@ -67,7 +83,7 @@ def test_bench_quick_runs_end_to_end(tmp_path):
     saved = json.loads((out / "results.json").read_text())
     assert set(saved) >= {"draft_step", "train_step", "ablation", "wall_seconds"}, f"missing parts: {sorted(saved)}"
     a = results["ablation"]
-    want = set(bench.VARIANTS) | {f"{n}, unary path" for n, (_, k) in bench.VARIANTS.items() if k}
+    want = set(bench.DRAFTERS) | {f"{n}, unary path" for n in ("+selector", "DFlash2", bench.SOFT)}
     assert set(a["summary"]) == want, sorted(a["summary"])
     for label, s in a["summary"].items():
         for t in ("T=0", "T=1"):
@@ -77,7 +93,10 @@ def test_bench_quick_runs_end_to_end(tmp_path):
             assert 1 <= lo <= mean <= hi <= 8, f"{label} {t}: AL {mean} [{lo}, {hi}] outside [1, B] or not ordered"
             assert mean == pytest.approx(statistics.mean(x for r in runs for x in r["al"])), label
     assert "ratio_vs_dflash" in a["summary"]["DFlash2"]["T=0"] and "ratio_vs_unary_path" in a["summary"]["DFlash2"]["T=1"]
+    assert "ratio_vs_argmax_labels" in a["summary"][bench.SOFT]["T=1"], sorted(a["summary"][bench.SOFT]["T=1"])
     assert a["summary"]["DFlash2"]["val"]["blocks"] >= 64, a["summary"]["DFlash2"]["val"]
+    assert "accept_selector" in a["summary"]["DFlash2"]["val"] and "accept_selector" not in a["summary"]["+conv"]["val"], \
+        "selector metrics belong to the drafters trained with a selector, and only to them"
     assert set(saved["draft_step"]["median_ms"]) == set(bench.VARIANTS) | {"walk alone"}
     assert os.path.getsize(out / "per_slot_acceptance.png") > 1000, "the plot was not written"
     assert "| DFlash2 |" in (out / "results.md").read_text()

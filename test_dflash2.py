@@ -345,7 +345,8 @@ def test_bad_arguments_of_the_training_functions(target, batch):
     for kw, message in ((dict(loss_type="mse"), r"loss_type \('mse'\) must be 'kl' or 'ce'"),
                         (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
                         (dict(alpha=-1.0), r"alpha \(-1.0\) must be >= 0"),
-                        (dict(chunk_size=0), r"chunk_size \(0\) must be >= 1")):
+                        (dict(chunk_size=0), r"chunk_size \(0\) must be >= 1"),
+                        (dict(selector_labels="top1"), r"selector_labels \('top1'\) must be 'argmax' or 'soft'")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
@@ -393,7 +394,7 @@ def test_shapes_and_dtypes(target, batch):
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
     keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
-            "selector_path_acc", "al_selector", "al_oracle"}
+            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
     assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
         f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
@@ -760,11 +761,14 @@ def test_sampled_walk_q_is_conditional_on_the_sampled_predecessor():
 def test_unary_and_selector_loss_equal_loops(target, batch):
     """Position weights exp(-(k-1)/γ) normalised by Σw over counted slots; the test
     anchors include slots past the end, outside loss_mask and of padding anchors. The
-    selector loss skips labels outside the top-K and uses the data token at t-1."""
+    selector loss uses the data token at t-1; with argmax labels it skips labels outside
+    the top-K, with soft labels each slot weighs by the target's mass on the top-K."""
     drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
     sel, gamma, alpha = drafter.candidate_selector, 2.5, 0.7
-    for loss_type in ("kl", "ce"):
-        loss, stats, h, unary = loss_and_logits(drafter, target, batch, loss_type=loss_type, gamma=gamma, alpha=alpha)
+    seen = {}
+    for loss_type, labels in (("kl", "argmax"), ("ce", "argmax"), ("kl", "soft"), ("ce", "soft")):
+        loss, stats, h, unary = loss_and_logits(drafter, target, batch, loss_type=loss_type, gamma=gamma, alpha=alpha,
+                                                selector_labels=labels)
         logits = model_logits(target, batch)
         num = den = sel_num = sel_den = 0.0
         for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
@@ -775,19 +779,26 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
             term = (logp.exp() * (logp - logq)).sum().item() if loss_type == "kl" else -logq[label].item()
             num, den = num + w * term, den + w
             cand = ref_topk(unary[n, j, k - 1], WIDE_K)
-            if label in cand:
-                prev = batch["input_ids"][n, t - 1].item()
-                scores = torch.tensor([ref_edge_score(sel, h[n, j, k], unary[n, j, k - 1], prev, c) for c in cand])
-                sel_num += w * -F.log_softmax(scores, 0)[cand.index(label)].item()
+            prev = batch["input_ids"][n, t - 1].item()
+            scores = torch.tensor([ref_edge_score(sel, h[n, j, k], unary[n, j, k - 1], prev, c) for c in cand])
+            log_sel = F.log_softmax(scores, 0)
+            if labels == "argmax" and label in cand:
+                sel_num += w * -log_sel[cand.index(label)].item()
                 sel_den += w
+            elif labels == "soft":
+                sel_num += w * sum(-logp[c].exp().item() * log_sel[i].item() for i, c in enumerate(cand))
+                sel_den += w * sum(logp[c].exp().item() for c in cand)
         unary_ref, sel_ref = num / den, sel_num / sel_den
+        where = f"{loss_type}, {labels} labels"
         assert abs(stats["unary_loss"] - unary_ref) < 1e-5 * (1 + unary_ref), \
-            f"{loss_type}: unary_loss {stats['unary_loss']} != loop {unary_ref}"
+            f"{where}: unary_loss {stats['unary_loss']} != loop {unary_ref}"
         assert 0 < sel_den < den, f"need slots both in and out of the top-K (weights {sel_den} of {den})"
         assert abs(stats["selector_loss"] - sel_ref) < 1e-5 * (1 + sel_ref), \
-            f"{loss_type}: selector_loss {stats['selector_loss']} != loop {sel_ref}"
+            f"{where}: selector_loss {stats['selector_loss']} != loop {sel_ref}"
         total = unary_ref + alpha * sel_ref
-        assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{loss_type}: loss {loss.item()} != loop {total}"
+        assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{where}: loss {loss.item()} != loop {total}"
+        seen[labels] = sel_ref
+    assert abs(seen["soft"] - seen["argmax"]) > 1e-3, f"soft and argmax labels gave the same selector loss {seen}"
 
 
 def test_kl_with_minus_infinite_target_logits_is_finite():
@@ -855,7 +866,7 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
 
     sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
     hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
-    walks = {}
+    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0}
     for n, j, k, t in slots:
         label = logits[n, t - 1].argmax().item()
         u = unary[n, j, k - 1]
@@ -867,6 +878,10 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
         hits["oracle"][n, j, k] = label in cand
         hits["tf"][n, j, k] = cand[scores.index(max(scores))] == label
         hits["walk"][n, j, k] = walks[n, j][k - 1] == label
+        p, q_sel = F.softmax(logits[n, t - 1], 0), F.softmax(torch.tensor(scores), 0)
+        accept["accept_unary"] += sum(min(a, b) for a, b in zip(p.tolist(), F.softmax(u, 0).tolist()))
+        accept["accept_selector"] += sum(min(p[c].item(), q_sel[i].item()) for i, c in enumerate(cand))
+        accept["mass_at_k"] += sum(p[c].item() for c in cand)
 
     def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
         blocks = [(n, j) for n, j, k, t in slots if k == 1]
@@ -880,13 +895,14 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
     want = {"slot_acc": per_slot(hits["unary"], keys), "al_unary": mean_al(hits["unary"]),
             "recall_at_k": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
             "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_selector": mean_al(hits["walk"]),
-            "selector_path_acc": per_slot(hits["walk"], reached)}
+            "selector_path_acc": per_slot(hits["walk"], reached), **{k: v / len(keys) for k, v in accept.items()}}
     for name, value in want.items():
         got = stats[name]
         assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
                               atol=1e-6), f"{name}: {got} != loop {value}"
     assert all(0 < x < 1 for x in stats["slot_acc"] + stats["selector_path_acc"][:2]) \
-        and stats["al_unary"] not in (stats["al_selector"], stats["al_oracle"]), \
+        and stats["al_unary"] not in (stats["al_selector"], stats["al_oracle"]) \
+        and 0 < stats["accept_selector"] < stats["mass_at_k"] < 1, \
         f"metrics too degenerate to tell a wrong one from a right one: {stats}"
 
 
@@ -953,7 +969,7 @@ def assert_same_loss(got, want, what, tol):
 
 
 def edge_scores_float64(sel):
-    """sel.edge_scores without its cast to fp32 (kept on purpose, §9): fp32 scores would
+    """sel.edge_scores without its cast to fp32 (kept on purpose, §8): fp32 scores would
     hide a chunking error of 1e-10 behind rounding of 1e-7."""
     def scores(h, unary, prev, cand):
         pairwise = torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
@@ -971,7 +987,7 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
     n = len(counted_slots(batch, ANCHORS, VALID))
     real_scores = drafter.candidate_selector.edge_scores
     monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
-    for kw in (dict(loss_type="kl"), dict(loss_type="ce", detach_selector=True)):
+    for kw in (dict(loss_type="kl"), dict(loss_type="ce", detach_selector=True, selector_labels="soft")):
         want = loss_and_grads(drafter, target, batch, **kw)
         for chunk in (1, 5, n - 1, n, 10 * n):
             assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,

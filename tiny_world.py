@@ -11,7 +11,7 @@ code path a real Hugging Face target folder takes:
    whose greedy output collapses into repeats makes every drafter look perfect at T = 0),
    and one greedy continuation to read;
 4. on-policy data: every prompt answered again by the target itself, because the drafter's
-   job is to predict what the target says, not what the corpus says (SPEC §9).
+   job is to predict what the target says, not what the corpus says (§6).
 """
 import json
 import os

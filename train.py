@@ -88,6 +88,8 @@ def parse_args(argv=None):
                    help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
     g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
+    g.add_argument("--selector-labels", default="argmax", choices=["argmax", "soft"], help="selector loss against "
+                   "the target's argmax (the write-up's) or its whole distribution over the candidates (§6)")
     g.add_argument("--max-anchors", type=at_least(1), default=16,
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
@@ -225,7 +227,8 @@ def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
         return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
                             loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
-                            detach_selector=args.detach_selector, chunk_size=args.loss_chunk or None,
+                            detach_selector=args.detach_selector, selector_labels=args.selector_labels,
+                            chunk_size=args.loss_chunk or None,
                             with_metrics=with_metrics, forward=model,
                             weight_sums=mean_over_ranks if model is not None else None)
 
@@ -251,7 +254,8 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
     sel = lambda k: f"{stats[k]:.3f}" if k in stats else "-"
     log(f"eval | val loss {stats['loss']:.4f} unary {stats['unary_loss']:.4f} sel {sel('selector_loss')} | "
         f"recall@K {sel('recall_at_k')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
-        f"{stats['al_unary']:.2f} selector {sel('al_selector')} oracle {sel('al_oracle')}")
+        f"{stats['al_unary']:.2f} selector {sel('al_selector')} oracle {sel('al_oracle')} | T=1 acceptance unary "
+        f"{stats['accept_unary']:.3f} selector {sel('accept_selector')} (top-K mass {sel('mass_at_k')})")
     log("eval | slot accuracy " + " ".join(f"{a:.2f}" for a in stats["slot_acc"]))
     log(f"eval | spec_generate, {len(als)} held-out prompts, <= {args.eval_new_tokens} new tokens")
     log("eval |   temperature   mean AL   tokens/s   start of the first output")
