@@ -323,8 +323,7 @@ def summarize(a):
                     "tokens_per_s": sum(x["new_tokens"] for x in runs) / sum(x["seconds"] for x in runs),
                     "target_forwards_per_token": sum(x["target_forwards"] for x in runs) /
                                                  sum(x["new_tokens"] for x in runs)}
-            base = label.removesuffix(", unary path")
-            if label != "DFlash" and label == base and "DFlash" in a["variants"]:
+            if label != "DFlash" and not label.endswith(", unary path") and "DFlash" in a["variants"]:
                 s[t]["ratio_vs_dflash"] = ratio_ci(grid(label, t, "al"), grid("DFlash", t, "al"))
             if f"{label}, unary path" in a["variants"]:
                 s[t]["ratio_vs_unary_path"] = ratio_ci(grid(label, t, "al"), grid(f"{label}, unary path", t, "al"))
@@ -392,7 +391,7 @@ def plot(a, path):
     temps = [f"T={t:g}" for t in a["temperatures"]]
     fig, axes = plt.subplots(1, len(temps), figsize=(5 * len(temps), 4), sharey=True, squeeze=False)
     for ax, t in zip(axes[0], temps):
-        for name in (n for n in a["summary"] if not n.endswith("unary path")):
+        for name in (n for n in a["summary"] if not n.endswith(", unary path")):
             rate, lo, hi = a["summary"][name][t]["slot_acceptance"]
             k = range(1, len(rate) + 1)
             ax.plot(k, rate, marker="o", label=name)

@@ -561,7 +561,8 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
     each (...); the last two are None without a selector."""
     logq = F.log_softmax(unary, dim=-1)
     label = ref.argmax(-1)
-    p = F.softmax(ref, dim=-1)
+    soft = selector is not None and selector_labels == "soft"
+    p = F.softmax(ref, dim=-1) if loss_type == "kl" or soft else None  # (..., V): only where a term needs it
     if loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
         term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
     else:
@@ -570,9 +571,9 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
         return term, None, None
     h, unary = (h.detach(), unary.detach()) if detach_selector else (h, unary)
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
-    pi = (cand == label[..., None]).to(p.dtype) if selector_labels == "argmax" else p.gather(-1, cand)
+    pi = p.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
     log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
-    return term, -(pi * log_sel.to(p.dtype)).sum(-1), pi.sum(-1)
+    return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 
 def weighted_sums(selector, lm_head, loss_type, detach_selector, selector_labels, h, ref_h, prev, w):
