@@ -1056,10 +1056,3 @@ def load_checkpoint(path, dtype=torch.float32, **overrides):
     drafter.load_state_dict(tensors, strict=False)
     return drafter.to(dtype)
 
-
-if __name__ == "__main__":  # the porter's golden set: tensors a port checks itself against (golden.py)
-    import sys
-    import golden
-    if sys.argv[1:2] != ["--golden"]:
-        sys.exit("usage: python dflash2.py --golden DIR [--force]")
-    golden.main(sys.argv[2:])

@@ -25,7 +25,7 @@ import transformers
 from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_shape, dflash2_loss, sample_anchors,
                      spec_generate)
 from memory import check_fits, format_plan, memory_plan, read_target_config
-from run_files import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
+from checkpoint import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
                        weights_fingerprint)
 from data import (choose_mask_token, collate, load_rows, load_tokenizer, parse_template_kwargs, read_conversations,
                   regenerate_file)

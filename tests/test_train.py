@@ -11,11 +11,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 import tiny_world as W
-import run_files as R
+import checkpoint as R
 import train as T
 from dflash2 import DFlash2Config, DFlash2Drafter
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
                 {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
 

@@ -7,7 +7,7 @@ intermediate a port needs to diff itself against, written as
     DIR/golden.safetensors                             (all tensors below)
     DIR/manifest.json                                  (name, shape, dtype, meaning of each)
 
-Run: python golden.py DIR [--force]   (or python dflash2.py --golden DIR [--force]).
+Run from the repository root: python -m port.golden DIR [--force].
 A port cannot reproduce torch's RNG, so the sampled walk is driven by recorded uniforms
 (inverse CDF, below) and the speculative trace is greedy. Every discrete decision in the
 set (top-K order, walk argmaxes, inverse-CDF picks) is at least TIE_MARGIN away from a tie,

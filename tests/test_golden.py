@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-import golden
-import port_numpy as port
+from port import golden
+from port import port_numpy as port
 
-GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "golden")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "port", "golden")
 TOL = 1e-5  # relative to the tensor's largest magnitude: fp32 rounding, not behaviour
 
 

@@ -7,7 +7,7 @@ import statistics
 import pytest
 import torch
 
-import bench
+from bench import ablation as bench
 import dflash2 as D
 
 
