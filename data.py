@@ -23,6 +23,7 @@ Decisions:
   the sampling, and the stop tokens are the template's end-of-turn token and the eos.
 """
 import json
+import os
 import re
 import time
 from collections import Counter
@@ -558,3 +559,29 @@ def collate(cols, pad_id, device):
     ids, attn = pad(cols["input_ids"], pad_id)
     loss_mask, _ = pad(cols["loss_mask"], 0)
     return ids.to(device), attn.to(device), loss_mask.to(device)
+
+
+# -----------------------------------------------------------------------------
+# the target, and the --regenerate job of train.py
+
+
+def load_target(target, dtype_flag, device):
+    """Frozen, in bfloat16 on GPU and float32 on CPU unless --dtype says otherwise."""
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype_flag == "auto" else \
+        getattr(torch, dtype_flag)
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def regenerate(args, log=print):
+    """--regenerate: the target answers every assistant turn of --data itself (on-policy data)."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (args.target and args.data):
+        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    read_conversations(args.data, args.data_split, log=log)  # input errors before the weights load
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
+                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
+                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
+    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")

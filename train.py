@@ -27,8 +27,7 @@ from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_s
 from memory import check_fits, format_plan, memory_plan, read_target_config
 from checkpoint import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
                        weights_fingerprint)
-from data import (choose_mask_token, collate, load_rows, load_tokenizer, parse_template_kwargs, read_conversations,
-                  regenerate_file)
+from data import choose_mask_token, collate, load_rows, load_target, load_tokenizer, parse_template_kwargs, regenerate
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -139,32 +138,6 @@ def lr_at(step, total, warmup, peak):
     if step < warmup:
         return peak * (step + 1) / warmup
     return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
-
-
-# -----------------------------------------------------------------------------
-# target and data (data.py: tokenizer, conversations -> input_ids + loss_mask = 1 on assistant tokens)
-
-
-def load_target(target, dtype_flag, device):
-    """Frozen, in bfloat16 on GPU and float32 on CPU unless --dtype says otherwise."""
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype_flag == "auto" else \
-        getattr(torch, dtype_flag)
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device)
-    return model.eval().requires_grad_(False)
-
-
-def regenerate(args, log=print):
-    """--regenerate: the target answers every assistant turn of --data itself (on-policy data)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (args.target and args.data):
-        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
-    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    read_conversations(args.data, args.data_split, log=log)  # input errors before the weights load
-    tokenizer = load_tokenizer(args.target, args.chat_template)
-    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
-                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
-                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
-    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
 
 
 # -----------------------------------------------------------------------------
