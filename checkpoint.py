@@ -1,5 +1,6 @@
 """
-What a training run keeps under --out-dir, for train.py: the servable export and the resume
+What a training run keeps under --out-dir, for train.py: the servable export (§7: a drafter
+with one DFlash2 part switched off is exported with the other as the identity) and the resume
 state (each written under a temporary name and renamed into place), the identity a resumed
 run must share with the run it continues, and the run's record (metrics.jsonl, curves.png).
 """
@@ -10,6 +11,8 @@ import os
 from pathlib import Path
 
 import torch
+
+from dflash2 import DFlash2Drafter
 
 
 def check_out_dir(out_dir):
@@ -52,6 +55,19 @@ def check_resume(resume_file, run):
         detail = "; ".join(f"{k}: saved {diff(saved.get(k), run[k])}" for k in differ)
         raise ValueError(f"--resume: {resume_file} belongs to another run ({detail}); use another --out-dir")
     return state
+
+
+def resume(state, meta, drafter, optimizer, out_dir, master):
+    """--resume from a checked resume state: the target's weights must be the run's; then the
+    weights, the optimizer and the step come back, and the record is rewound to that step."""
+    if state["target_weights"] != meta["target_weights"]:
+        raise ValueError(f"--resume: the target's weights differ from the run in {os.path.join(out_dir, 'resume.pt')} "
+                         f"(fingerprint {meta['target_weights']} != {state['target_weights']})")
+    drafter.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    if master:
+        rewind_record(out_dir, state["step"])
+    return state["step"]
 
 
 def diff(saved, now):
@@ -101,9 +117,57 @@ def plot_curves(out_dir):
     plt.close(fig)
 
 
+def export(drafter, path, dtype=torch.bfloat16):
+    """The folder engines serve (§7): save_pretrained of servable(drafter)."""
+    servable(drafter).save_pretrained(path, dtype)
+
+
+def servable(drafter):
+    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
+    switched off is exported with the other as the exact identity: a convolution with
+    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
+    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
+    -> a drafter that computes exactly what `drafter` computes, with both parts or none."""
+    c, state = drafter.config, drafter.state_dict()
+    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
+        return drafter
+    full = {}
+    if not c.conv_kernel_size:
+        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
+        identity = torch.zeros(2, taps, c.hidden_size)
+        identity[:, 0] = 1.0
+        for i in range(c.num_layers):
+            for part in ("attention_conv", "mlp_conv"):
+                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
+                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
+                                                                                   c.hidden_size)
+        full.update(conv_kernel_size=taps, conv_group_size=group)
+    if not c.selector_top_k:
+        R = c.selector_rank
+        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
+        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
+        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
+        full.update(selector_top_k=min(16, c.vocab_size))
+    full_drafter = DFlash2Drafter(dataclasses.replace(c, **full))
+    full_drafter.load_state_dict(state)
+    return full_drafter.to(drafter.fc.weight.dtype)
+
+
 def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
     """The servable export, then the resume state; each written under a temp name and renamed."""
-    drafter.save_pretrained(os.path.join(out_dir, "checkpoint"), dtype=getattr(torch, export_dtype))
+    export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))
+
+
+def serving_commands(target, export_path, block_size):
+    """How each engine serves an export: vLLM counts the B - 1 drafted tokens, SGLang the whole
+    block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device."""
+    return [
+        f"vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"dflash\", \"model\": \"{export_path}\", \"num_speculative_tokens\": {block_size - 1}}}'",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {export_path} --speculative-num-draft-tokens {block_size}",
+        f"pip install \"dflash[local]\" && dflash generate transformers --model {target} --draft {export_path} \"Hello\"",
+    ]

@@ -75,37 +75,7 @@ class DFlash2Config:
 
     def __post_init__(self):
         self.target_layer_ids = list(self.target_layer_ids)
-        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                     "vocab_size", "num_target_layers", "num_layers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} ({getattr(self, name)}) must be >= 1")
-        if self.rope_theta <= 0 or self.rms_norm_eps < 0:
-            raise ValueError(f"rope_theta ({self.rope_theta}) must be > 0 and rms_norm_eps ({self.rms_norm_eps}) >= 0")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads ({self.num_heads}) must be divisible by num_kv_heads ({self.num_kv_heads})")
-        if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
-        if self.block_size < 2:
-            raise ValueError(f"block_size ({self.block_size}) must be >= 2 (an anchor plus at least one draft slot)")
-        if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id ({self.mask_token_id}) must be a token of the target vocabulary [0, {self.vocab_size})")
-        if not self.target_layer_ids:
-            raise ValueError("target_layer_ids is empty: the drafter needs at least one target layer")
-        bad = [l for l in self.target_layer_ids if not 0 <= l < self.num_target_layers]
-        if bad:
-            raise ValueError(f"target_layer_ids {bad} outside the target's layers [0, {self.num_target_layers})")
-        if len(set(self.target_layer_ids)) != len(self.target_layer_ids):
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} has duplicates: each layer is one feature")
-        if self.conv_kernel_size:
-            if not 1 <= self.conv_kernel_size <= self.block_size:
-                raise ValueError(f"conv_kernel_size ({self.conv_kernel_size}) must be in [1, block_size={self.block_size}], or 0 to disable")
-            if self.conv_group_size < 1 or self.hidden_size % self.conv_group_size:
-                raise ValueError(f"hidden_size ({self.hidden_size}) must be divisible by conv_group_size ({self.conv_group_size})")
-        if self.selector_top_k:
-            if not 1 <= self.selector_top_k <= self.vocab_size:
-                raise ValueError(f"selector_top_k ({self.selector_top_k}) must be in [1, vocab_size={self.vocab_size}], or 0 to disable")
-            if self.selector_rank < 1:
-                raise ValueError(f"selector_rank ({self.selector_rank}) must be >= 1 when the selector is on")
+        check_config(self)
 
     @classmethod
     def from_target(cls, target_config, **overrides):
@@ -130,18 +100,55 @@ class DFlash2Config:
             rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 1e6)),
             max_position_embeddings=target_config.max_position_embeddings,
         )
-        check_overrides(overrides)
-        return cls(**{**shape, **overrides})
+        return cls(**{**shape, **known_fields(overrides)})
 
     @property
     def is_dflash2(self):
         return bool(self.conv_kernel_size or self.selector_top_k)
 
 
-def check_overrides(overrides):
-    unknown = set(overrides) - set(DFlash2Config.__dataclass_fields__)
+def check_config(c):
+    """Refuse a shape the drafter cannot be built with, in one sentence naming the field."""
+    for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                 "num_target_layers", "num_layers"):
+        if getattr(c, name) < 1:
+            raise ValueError(f"{name} ({getattr(c, name)}) must be >= 1")
+    L, ids = c.num_target_layers, c.target_layer_ids
+    rules = (
+        (c.rope_theta > 0 and c.rms_norm_eps >= 0,
+         f"rope_theta ({c.rope_theta}) must be > 0 and rms_norm_eps ({c.rms_norm_eps}) >= 0"),
+        (c.num_heads % c.num_kv_heads == 0,
+         f"num_heads ({c.num_heads}) must be divisible by num_kv_heads ({c.num_kv_heads})"),
+        (c.head_dim % 2 == 0, f"head_dim ({c.head_dim}) must be even for rotary embeddings"),
+        (c.block_size >= 2, f"block_size ({c.block_size}) must be >= 2 (an anchor plus at least one draft slot)"),
+        (0 <= c.mask_token_id < c.vocab_size,
+         f"mask_token_id ({c.mask_token_id}) must be a token of the target vocabulary [0, {c.vocab_size})"),
+        (ids, "target_layer_ids is empty: the drafter needs at least one target layer"),
+        (all(0 <= l < L for l in ids),
+         f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})"),
+        (len(set(ids)) == len(ids), f"target_layer_ids {ids} has duplicates: each layer is one feature"),
+    )
+    if c.conv_kernel_size:
+        rules += (
+            (1 <= c.conv_kernel_size <= c.block_size,
+             f"conv_kernel_size ({c.conv_kernel_size}) must be in [1, block_size={c.block_size}], or 0 to disable"),
+            (c.conv_group_size >= 1 and c.hidden_size % c.conv_group_size == 0,
+             f"hidden_size ({c.hidden_size}) must be divisible by conv_group_size ({c.conv_group_size})"))
+    if c.selector_top_k:
+        rules += (
+            (1 <= c.selector_top_k <= c.vocab_size,
+             f"selector_top_k ({c.selector_top_k}) must be in [1, vocab_size={c.vocab_size}], or 0 to disable"),
+            (c.selector_rank >= 1, f"selector_rank ({c.selector_rank}) must be >= 1 when the selector is on"))
+    for ok, sentence in rules:
+        if not ok:
+            raise ValueError(sentence)
+
+
+def known_fields(overrides):
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DFlash2Config)})
     if unknown:
-        raise ValueError(f"unknown DFlash2Config fields {sorted(unknown)}")
+        raise ValueError(f"unknown DFlash2Config fields {unknown}")
+    return overrides
 
 
 def default_target_layer_ids(num_target_layers, num_features=5):
@@ -451,10 +458,11 @@ class DFlash2Drafter(nn.Module):
             cache.length += ctx_features.shape[1]
         return self.norm(h)
 
-    def propose(self, h, unary, anchor, temperature=0.0, generator=None):
-        """Draft tokens for one block's slots 1..B-1: the selector walk, or with the
-        selector off the unary argmax (T = 0) / a unary sample (T > 0) over the whole
-        vocabulary. Returns path (M, B-1), cand (M, B-1, K or V), q (M, B-1, K or V)."""
+    def propose(self, h, unary, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0):
+        """Draft tokens for one block's slots 1..B-1: the selector walk, or with the selector
+        off the unary argmax (T = 0) / a unary sample (T > 0) from sampling_probs, the law the
+        request gives the target (top-k / top-p included, §5). Returns path (M, B-1),
+        cand (M, B-1, K or V), q (M, B-1, K or V) the law each token was drawn from."""
         if self.config.selector_top_k:
             return self.candidate_selector.walk(h, unary, anchor, temperature, generator)
         M, n, V = unary.shape
@@ -462,16 +470,63 @@ class DFlash2Drafter(nn.Module):
         if temperature == 0:
             path = unary.argmax(-1)
             return path, cand, F.one_hot(path, V).float()
-        q = torch.softmax(unary.float() / temperature, dim=-1)
+        q = sampling_probs(unary, temperature, top_p, top_k)
         path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
         return path, cand, q
 
     def save_pretrained(self, path, dtype=torch.bfloat16):
-        save_checkpoint(self, path, dtype)  # checkpoint I/O is the last section of this file
+        """Write the export folder (§7) under a temporary name, then rename it into place, so a
+        crash never leaves a half-written checkpoint under `path`."""
+        from safetensors.torch import save_file
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+        path = os.path.abspath(path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+        try:
+            tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
+            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump({**checkpoint_config(self.config), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            for name in ("", "model.safetensors", "config.json"):  # mkdtemp makes 0700: servers run as other users
+                os.chmod(os.path.join(tmp, name), 0o755 if not name else 0o644)
+            old = tmp + "-old"
+            if os.path.exists(path):  # replace an older export: move it aside, swap, then delete it
+                os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, **overrides):
-        return load_checkpoint(path, dtype, **overrides)
+        """Read a DFlash2 or DFlash (v1) export folder; no pickle on this path. A v1 export loads
+        into a v1 drafter or, with overrides that switch the convolution / selector on, into a
+        DFlash2 drafter whose new parts keep their identity init (warm start)."""
+        from safetensors.torch import load_file
+        cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+        for f in (cfg_file, weights_file):
+            if not os.path.isfile(f):
+                raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
+        with open(cfg_file) as f:
+            raw = json.load(f)
+        drafter = cls(DFlash2Config(**{**config_from_checkpoint(raw, cfg_file), **known_fields(overrides)}))
+        try:
+            tensors = load_file(weights_file)
+        except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
+            raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
+        expected = drafter.state_dict()
+        warm_start = lambda k: raw["architectures"][0] == "DFlashDraftModel" and ("_conv." in k or "selector." in k)
+        missing = [k for k in sorted(set(expected) - set(tensors)) if not warm_start(k)]
+        unexpected = sorted(set(tensors) - set(expected))
+        mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+                            if k in tensors and tensors[k].shape != v.shape)
+        if missing or unexpected or mis_shaped:
+            raise ValueError(f"{weights_file} does not match the drafter config: missing {missing}, "
+                             f"unexpected {unexpected}, mis-shaped {mis_shaped}")
+        drafter.load_state_dict(tensors, strict=False)
+        return drafter.to(dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -715,9 +770,9 @@ def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size):
 # speculative decoding (§4, §5)
 
 
-def target_probs(logits, temperature, top_p=1.0, top_k=0):
-    """p = softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64).
-    These filters shape p only; the drafter's q is never filtered."""
+def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
+    """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the
+    target's p, and the q of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     if top_k:
         kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
@@ -797,7 +852,7 @@ def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
 def _sample(logits, temperature, top_p, top_k, generator):
     if temperature == 0:
         return int(logits.argmax(-1))
-    return int(torch.multinomial(target_probs(logits, temperature, top_p, top_k), 1, generator=generator))
+    return int(torch.multinomial(sampling_probs(logits, temperature, top_p, top_k), 1, generator=generator))
 
 
 def _now(device):
@@ -860,7 +915,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
         h = drafter(embed(block).to(dtype), torch.arange(a, a + B, device=dev)[None], new_ctx.to(dtype),
                     torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
         unary = lm_head(h.to(lm_head.weight.dtype)).float()
-        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator)
+        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator, top_p=top_p, top_k=top_k)
         n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
         draft = path[0, :n]
 
@@ -872,7 +927,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
         else:
             q_vocab = torch.zeros(n, logits.shape[-1], device=dev, dtype=torch.float64)
             q_vocab.scatter_(-1, cand[0, :n], q[0, :n].double())
-            n_acc, bonus = verify_sampled(draft, q_vocab, target_probs(logits.double(), temperature, top_p, top_k), generator)
+            n_acc, bonus = verify_sampled(draft, q_vocab, sampling_probs(logits.double(), temperature, top_p, top_k), generator)
         if n - n_acc:
             cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
         new_ctx = context_features(out.hidden_states, c.target_layer_ids)[:, :n_acc + 1]  # anchor + accepted
@@ -887,172 +942,52 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
 
 
 # -----------------------------------------------------------------------------
-# checkpoint I/O (§7): config.json + model.safetensors, as vLLM, SGLang and z-lab load
+# checkpoint format (§7): config.json + model.safetensors, as vLLM, SGLang and z-lab load
 
-
-def servable_parts(drafter):
-    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
-    switched off is exported with the other as the exact identity: a convolution with
-    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
-    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
-    -> (exported config, state dict)."""
-    c, state = drafter.config, drafter.state_dict()
-    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
-        return c, state
-    full = {}
-    if not c.conv_kernel_size:
-        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
-        identity = torch.zeros(2, taps, c.hidden_size)
-        identity[:, 0] = 1.0
-        for i in range(c.num_layers):
-            for part in ("attention_conv", "mlp_conv"):
-                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
-                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
-                                                                                   c.hidden_size)
-        full.update(conv_kernel_size=taps, conv_group_size=group)
-    if not c.selector_top_k:
-        R = c.selector_rank
-        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
-        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
-        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
-        full.update(selector_top_k=min(16, c.vocab_size))
-    return dataclasses.replace(c, **full), state
+QWEN3_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}  # DFlash2Config field -> config.json key, where they differ
+DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")        # config.json's dflash_config
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # there, for DFlash2 only
+SUPPORTED = {  # config.json fields that change what a drafter computes: any other value is refused, not ignored
+    "output_multiplier": lambda v: v in (None, 1), "final_logit_softcapping": lambda v: v is None,
+    "input_embedding_scale": lambda v: v in (None, 1), "use_sliding_window": lambda v: not v,
+    "layer_types": lambda v: all(t == "full_attention" for t in v or []),
+    "is_causal": lambda v: not v,  # attention inside a block is bidirectional
+    "hidden_act": lambda v: v in (None, "silu"), "attention_bias": lambda v: not v,
+    "rope_parameters": lambda v: (v or {}).get("rope_type", (v or {}).get("type", "default")) == "default",
+}
 
 
 def checkpoint_config(c):
-    """config.json of the drafter: a Qwen3 config plus the DFlash/DFlash2 fields."""
-    dflash = {"block_size": c.block_size, "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids}
-    if c.is_dflash2:
-        dflash.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
-                      selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
-    return {
-        "architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": c.hidden_size,
-        "intermediate_size": c.intermediate_size,
-        "num_hidden_layers": c.num_layers,
-        "num_attention_heads": c.num_heads,
-        "num_key_value_heads": c.num_kv_heads,
-        "head_dim": c.head_dim,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "rms_norm_eps": c.rms_norm_eps,
-        "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
-        "vocab_size": c.vocab_size,
-        "max_position_embeddings": c.max_position_embeddings,
-        "tie_word_embeddings": False,
-        "num_target_layers": c.num_target_layers,
-        "block_size": c.block_size,
-        "dflash_config": dflash,
-    }
+    """config.json of the drafter: a Qwen3 config plus the DFlash/DFlash2 fields in dflash_config."""
+    qwen3 = {QWEN3_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items() if k not in DFLASH_FIELDS + DFLASH2_FIELDS}
+    return {"architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            **qwen3, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "block_size": c.block_size,
+            "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())}}
 
 
-def save_checkpoint(drafter, path, dtype=torch.bfloat16):
-    """Write the export folder under a temporary name, then rename it into place, so a
-    crash never leaves a half-written checkpoint under `path`."""
-    from safetensors.torch import save_file
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
-    path = os.path.abspath(path)
-    exported, state = servable_parts(drafter)
-    config = {**checkpoint_config(exported), "torch_dtype": str(dtype).removeprefix("torch.")}
-    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in state.items()}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
-    try:
-        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
-        os.chmod(tmp, 0o755)  # mkdtemp makes 0700: a server running as another user must read the export
-        for name in os.listdir(tmp):
-            os.chmod(os.path.join(tmp, name), 0o644)
-        if os.path.exists(path):  # replace an older export: move it aside first, then swap
-            old = tmp + "-old"
-            os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def refuse_unsupported(raw, where):
-    """Fields that change what a drafter computes and that this file does not implement:
-    refuse them rather than load a drafter that silently computes something else."""
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    supported = {
-        "output_multiplier": raw.get("output_multiplier") in (None, 1, 1.0),
-        "final_logit_softcapping": raw.get("final_logit_softcapping") is None,
-        "input_embedding_scale": raw.get("input_embedding_scale") in (None, 1, 1.0),
-        "layer_types": all(t == "full_attention" for t in raw.get("layer_types") or []),
-        "use_sliding_window": not raw.get("use_sliding_window"),
-        "is_causal": not raw.get("is_causal"),  # attention inside a block is bidirectional
-        "rope_parameters": rope.get("rope_type", rope.get("type", "default")) == "default",
-        "hidden_act": raw.get("hidden_act", "silu") == "silu",
-        "attention_bias": not raw.get("attention_bias"),
-    }
-    for name, ok in supported.items():
-        if not ok:
-            value = rope if name == "rope_parameters" else raw[name]
-            raise ValueError(f"{where}: {name} = {value!r} is not supported by this implementation (only the "
-                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
-
-
-def load_checkpoint(path, dtype=torch.float32, **overrides):
-    """Read a DFlash2 or DFlash (v1) export folder; no pickle on this path.
-
-    A v1 checkpoint loads into a v1 drafter, or, with overrides that switch the
-    convolution/selector on (e.g. conv_kernel_size=2, selector_top_k=16), into a DFlash2
-    drafter whose new parts start from the identity init (warm start)."""
-    from safetensors.torch import load_file
-    cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-    for f in (cfg_file, weights_file):
-        if not os.path.isfile(f):
-            raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
-    with open(cfg_file) as f:
-        raw = json.load(f)
-    arch = (raw.get("architectures") or [None])[0]
-    if arch not in ("DFlash2DraftModel", "DFlashDraftModel"):
-        raise ValueError(f"{cfg_file}: architectures {raw.get('architectures')} is not a DFlash drafter "
+def config_from_checkpoint(raw, where):
+    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports -> DFlash2Config fields."""
+    if (raw.get("architectures") or [None])[0] not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        raise ValueError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
                          "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
-    refuse_unsupported(raw, cfg_file)
-    dflash = raw.get("dflash_config", {})
+    raw = {**raw, "rope_parameters": raw.get("rope_parameters") or raw.get("rope_scaling")}
+    for name, ok in SUPPORTED.items():
+        if not ok(raw.get(name)):
+            raise ValueError(f"{where}: {name} = {raw[name]!r} is not supported by this implementation (only the "
+                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
+    d = raw.get("dflash_config", {})
     try:
-        fields = dict(
-            hidden_size=raw["hidden_size"], intermediate_size=raw["intermediate_size"], num_layers=raw["num_hidden_layers"],
-            num_heads=raw["num_attention_heads"], num_kv_heads=raw["num_key_value_heads"],
+        return dict(
+            {k: raw[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                     "num_kv_heads", "vocab_size", "num_target_layers", "rms_norm_eps",
+                                                     "max_position_embeddings")},
             head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-            vocab_size=raw["vocab_size"], num_target_layers=raw["num_target_layers"],
-            target_layer_ids=dflash["target_layer_ids"], mask_token_id=dflash["mask_token_id"],
-            block_size=dflash.get("block_size", raw.get("block_size")), rms_norm_eps=raw["rms_norm_eps"],
             rope_theta=raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"],
-            max_position_embeddings=raw["max_position_embeddings"],
-            conv_kernel_size=dflash.get("conv_kernel_size", 0), conv_group_size=dflash.get("conv_group_size", 16),
-            selector_rank=dflash.get("selector_rank", 256), selector_top_k=dflash.get("selector_top_k", 0))
-    except KeyError as e:
-        raise ValueError(f"{cfg_file} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
-    if fields["block_size"] is None:
-        raise ValueError(f"{cfg_file} lacks block_size (top level or in dflash_config)")
-    check_overrides(overrides)
-    drafter = DFlash2Drafter(DFlash2Config(**{**fields, **overrides}))
-
-    try:
-        tensors = load_file(weights_file)
-    except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
-        raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
-    expected = drafter.state_dict()
-    missing = sorted(set(expected) - set(tensors))
-    if arch == "DFlashDraftModel":  # warm start: the DFlash2 parts keep their identity init
-        missing = [k for k in missing if "_conv." not in k and not k.startswith("candidate_selector.")]
-    unexpected = sorted(set(tensors) - set(expected))
-    mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
-                        if k in tensors and tensors[k].shape != v.shape)
-    if missing or unexpected or mis_shaped:
-        raise ValueError(f"{weights_file} does not match the drafter config: missing {missing}, "
-                         f"unexpected {unexpected}, mis-shaped {mis_shaped}")
-    drafter.load_state_dict(tensors, strict=False)
-    return drafter.to(dtype)
-
+            block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
+            target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
+            selector_top_k=d.get("selector_top_k", 0),
+            **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where} lacks the key {e.args[0]!r} of a DFlash drafter config") from None

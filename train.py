@@ -25,8 +25,8 @@ import transformers
 from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_shape, dflash2_loss, sample_anchors,
                      spec_generate)
 from memory import check_fits, format_plan, memory_plan, read_target_config
-from checkpoint import (check_out_dir, check_resume, plot_curves, record, rewind_record, run_identity, save_checkpoint,
-                       weights_fingerprint)
+from checkpoint import (check_out_dir, check_resume, export, plot_curves, record, resume, run_identity, save_checkpoint,
+                        serving_commands, weights_fingerprint)
 from data import choose_mask_token, collate, load_rows, load_target, load_tokenizer, parse_template_kwargs, regenerate
 from tiny_world import tiny_world
 
@@ -116,6 +116,8 @@ def parse_args(argv=None):
     g.add_argument("--eval-new-tokens", type=at_least(1), default=96, help="tokens generated per eval prompt")
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint/ dtype")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
+    g.add_argument("--dry-run", action="store_true", help="write the untrained export of this target and drafter "
+                   "shape to --out-dir/checkpoint, print the engines' serving commands for it, then exit")
     g.add_argument("--plan", action="store_true", help="print the estimated peak GPU memory (from the target's "
                    "config, no weights) and the largest --batch-size that fits, then exit")
     g.add_argument("--gpu-memory-gib", type=at_least(0, float, strict=True), default=80.0,
@@ -238,11 +240,11 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
 
 
 # -----------------------------------------------------------------------------
-# training
+# setup steps
 
 
-def train(args):
-    # setup: one process per device; torchrun sets RANK / WORLD_SIZE / LOCAL_RANK
+def start_ranks():
+    """One process per device; torchrun sets RANK / WORLD_SIZE / LOCAL_RANK. -> (world, rank, device, log)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -252,45 +254,28 @@ def train(args):
         torch.cuda.set_device(device)
     else:  # share the cores between the ranks of this machine
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
-    master = rank == 0
-    if not master:  # downloads and tokenization show one progress bar, rank 0's
+    if rank:  # downloads and tokenization show one progress bar, rank 0's
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()
-    log = (lambda *a: print(*a, flush=True)) if master else (lambda *a: None)
-    check_out_dir(args.out_dir)
-    resume_file = os.path.join(args.out_dir, "resume.pt")
-    if args.resume and not os.path.isfile(resume_file):
-        raise ValueError(f"--resume: {resume_file} not found")
+    return world, rank, device, (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
-    if args.target and (args.plan or device.type == "cuda"):  # the memory plan: the target's config is enough
-        estimate = plan(args, device, log)
-        if args.plan:
-            return {"plan": estimate}
 
-    # target (frozen) and data
-    if args.target is None or args.data is None:
-        if not master:  # rank 0 builds the offline world, the others then read its cache
-            dist.barrier()
-        target_path, data_path = tiny_world(args.cache_dir, args.tiny_pretrain_steps, log)
-        if master and world > 1:
-            dist.barrier()
-        args.target, args.data = args.target or target_path, args.data or data_path
-        log(f"offline world cached in {os.path.abspath(args.cache_dir)}")
+def offline_world(args, world, rank, log):
+    """Unset --target / --data: the tiny world's. Rank 0 builds it, the others then read its cache."""
+    if args.target is not None and (args.data is not None or args.dry_run):
+        return
+    if rank:
+        dist.barrier()
+    target_path, data_path = tiny_world(args.cache_dir, args.tiny_pretrain_steps, log)
+    if rank == 0 and world > 1:
+        dist.barrier()
+    args.target, args.data = args.target or target_path, args.data or data_path
+    log(f"offline world cached in {os.path.abspath(args.cache_dir)}")
 
-    # tokenizer and data first, then the target's config: every data or shape problem
-    # surfaces before the (possibly many-GB) weights load
-    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    tokenizer = load_tokenizer(args.target, args.chat_template)
-    rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, template_kwargs=template_kwargs,
-                     drop_bad=args.drop_bad_rows, log=log)
-    if len(rows) <= args.val_size:
-        raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
-    n_train = len(rows) - args.val_size
-    train_rows, val = rows.select(range(n_train)), rows.select(range(n_train, len(rows)))
-    target_config = transformers.AutoConfig.from_pretrained(args.target)
-    mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size)
 
-    # drafter: at the target's width; the target's embedding and lm_head are borrowed, frozen
+def build_drafter(args, tokenizer, target_config):
+    """At the target's width, from the flags or --init-from; checked against the target's
+    shape before its weights load. The target's embedding and lm_head are borrowed, frozen."""
     torch.manual_seed(args.seed)
     parts = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
@@ -299,46 +284,86 @@ def train(args):
         if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
             drafter = DFlash2Drafter.from_pretrained(args.init_from, **parts)
         check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
-                           target_config.vocab_size)  # before the target's weights load
-    else:
-        layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-        drafter = DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers,
-                                                           block_size=args.block_size, mask_token_id=mask_token_id,
-                                                           **layer_ids, **parts))
+                           target_config.vocab_size)
+        return drafter
+    mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size)
+    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    return DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers, block_size=args.block_size,
+                                                    mask_token_id=mask_token_id, **layer_ids, **parts))
+
+
+def dry_run(drafter, args, log):
+    """--dry-run: the untrained export of this target and drafter shape, to check that a serving
+    engine loads it before any training; no data and no target weights are read."""
+    path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
+    export(drafter, path, getattr(torch, args.export_dtype))
+    log(f"untrained export (B = {drafter.config.block_size}) in {path}; serve it with one of:")
+    for command in serving_commands(args.target, path, drafter.config.block_size):
+        log(command)
+    return {"export": path}
+
+
+def check_replicas(params, world, log):
+    """Data parallel: the replicas must still be identical; compare per-tensor checksums across ranks."""
+    sums = torch.stack([p.detach().double().sum() for p in params])
+    every = [torch.zeros_like(sums) for _ in range(world)]
+    dist.all_gather(every, sums)
+    if any(not torch.equal(s, every[0]) for s in every):
+        raise RuntimeError("drafter replicas diverged across ranks")
+    log(f"replicas agree: parameter checksum {float(every[0].sum()):.12e} on {world} ranks")
+
+
+# -----------------------------------------------------------------------------
+# training
+
+
+def train(args):
+    world, rank, device, log = start_ranks()
+    master = rank == 0
+    check_out_dir(args.out_dir)
+    resume_file = os.path.join(args.out_dir, "resume.pt")
+    if args.resume and not os.path.isfile(resume_file):
+        raise ValueError(f"--resume: {resume_file} not found")
+    if args.target and (args.plan or device.type == "cuda"):  # the memory plan: the target's config is enough
+        estimate = plan(args, device, log)
+        if args.plan:
+            return {"plan": estimate}
+    offline_world(args, world, rank, log)
+
+    # tokenizer, target config, drafter, data: every shape or data problem surfaces before the
+    # (possibly many-GB) target weights load
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    target_config = transformers.AutoConfig.from_pretrained(args.target)
+    drafter = build_drafter(args, tokenizer, target_config)
+    if args.dry_run:
+        return dry_run(drafter, args, log)
+    rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, drop_bad=args.drop_bad_rows, log=log,
+                     template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+    if len(rows) <= args.val_size:
+        raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
+    train_rows, val = rows.select(range(len(rows) - args.val_size)), rows.select(range(len(rows) - args.val_size, len(rows)))
     global_batch = args.batch_size * args.grad_accum * world
     total = math.ceil(args.epochs * len(train_rows) / global_batch) if args.epochs else args.steps
     warmup = max(1, round(args.warmup * total))
     run = run_identity(target_config, drafter.config, train_rows, args.seq_len, {
         "steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch, "world": world, "seed": args.seed})
-    state = check_resume(resume_file, run) if args.resume else None  # before the target loads, too
+    state = check_resume(resume_file, run) if args.resume else None
 
     target = load_target(args.target, args.dtype, device)
     check_target(drafter.config, target)  # the loaded tables themselves, and the mask token
-    fingerprint = weights_fingerprint(target)
-    if state is not None and state["target_weights"] != fingerprint:
-        raise ValueError(f"--resume: the target's weights differ from the run in {resume_file} "
-                         f"(fingerprint {fingerprint} != {state['target_weights']})")
-    drafter.to(device)
-    drafter.grad_checkpoint = args.grad_checkpoint
+    meta = {"run": run, "target_weights": weights_fingerprint(target)}
+    drafter.to(device).grad_checkpoint = args.grad_checkpoint
     params = list(drafter.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    meta = {"run": run, "target_weights": fingerprint}
-    step = 0
-    if state is not None:
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        step = state["step"]
-        if master:
-            rewind_record(args.out_dir, step)
+    step = resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
     # data parallel: the wrapper starts every replica from rank 0's weights and averages gradients
     model = torch.nn.parallel.DistributedDataParallel(drafter) if world > 1 else None
     os.makedirs(args.out_dir, exist_ok=True)
-    n_params = sum(p.numel() for p in params)
     c = drafter.config
     log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {target.dtype}) | drafter "
-        f"{n_params / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers {c.target_layer_ids}, mask "
-        f"token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} val rows | {world} "
-        f"rank(s) on {device.type} | out {os.path.abspath(args.out_dir)}")
+        f"{sum(p.numel() for p in params) / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers "
+        f"{c.target_layer_ids}, mask token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} "
+        f"val rows | {world} rank(s) on {device.type} | out {os.path.abspath(args.out_dir)}")
 
     # the data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its
     # slice of every global batch, so the step alone says where the data stands
@@ -403,13 +428,8 @@ def train(args):
                                   "al_t1": summary["al_t1"]})
             plot_curves(args.out_dir)
 
-    if world > 1:  # replicas must still be identical: compare per-tensor checksums across ranks
-        sums = torch.stack([p.detach().double().sum() for p in params])
-        every = [torch.zeros_like(sums) for _ in range(world)]
-        dist.all_gather(every, sums)
-        if any(not torch.equal(s, every[0]) for s in every):
-            raise RuntimeError("drafter replicas diverged across ranks")
-        log(f"replicas agree: parameter checksum {float(every[0].sum()):.12e} on {world} ranks")
+    if world > 1:
+        check_replicas(params, world, log)
         dist.destroy_process_group()
     log(f"done in {time.time() - t_start:.0f}s: export {os.path.abspath(os.path.join(args.out_dir, 'checkpoint'))}")
     return {**summary, "step": step, "losses": losses, "out_dir": args.out_dir, "target": args.target}
