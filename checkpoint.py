@@ -1,18 +1,180 @@
 """
-What a training run keeps under --out-dir, for train.py: the servable export (§7: a drafter
-with one DFlash2 part switched off is exported with the other as the identity) and the resume
-state (each written under a temporary name and renamed into place), the identity a resumed
-run must share with the run it continues, and the run's record (metrics.jsonl, curves.png).
+What a run writes: the export that vLLM, SGLang and the z-lab `dflash` package load (§7:
+config.json + model.safetensors, the format behind DFlash2Drafter.save_pretrained /
+from_pretrained), and for train.py the resume state, the identity a resumed run must share
+with the run it continues, and the run's record (metrics.jsonl, curves.png). Everything is
+written under a temporary name and renamed into place. This file imports nothing from the
+repository: dflash2.py's two checkpoint methods call into it.
 """
 import dataclasses
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-from dflash2 import DFlash2Drafter
+# -----------------------------------------------------------------------------
+# the export (§7)
+
+QWEN3_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+               "num_kv_heads": "num_key_value_heads"}  # DFlash2Config field -> config.json key, where they differ
+DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")        # in config.json's dflash_config
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # there, for DFlash2 only
+SUPPORTED = {  # config.json fields that change what a drafter computes: any other value is refused, not ignored
+    "output_multiplier": lambda v: v in (None, 1), "final_logit_softcapping": lambda v: v is None,
+    "input_embedding_scale": lambda v: v in (None, 1), "use_sliding_window": lambda v: not v,
+    "layer_types": lambda v: all(t == "full_attention" for t in v or []),
+    "is_causal": lambda v: not v,  # attention inside a block is bidirectional
+    "hidden_act": lambda v: v in (None, "silu"), "attention_bias": lambda v: not v,
+    "rope_parameters": lambda v: (v or {}).get("rope_type", (v or {}).get("type", "default")) == "default",
+}
+
+
+def checkpoint_config(c):
+    """config.json of a drafter config: a Qwen3 config plus the DFlash/DFlash2 fields in dflash_config."""
+    qwen3 = {QWEN3_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items() if k not in DFLASH_FIELDS + DFLASH2_FIELDS}
+    return {"architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
+            **qwen3, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "block_size": c.block_size,
+            "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())}}
+
+
+def config_fields(raw, where):
+    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports -> DFlash2Config fields."""
+    if (raw.get("architectures") or [None])[0] not in ("DFlash2DraftModel", "DFlashDraftModel"):
+        raise ValueError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
+                         "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
+    raw = {**raw, "rope_parameters": raw.get("rope_parameters") or raw.get("rope_scaling")}
+    for name, ok in SUPPORTED.items():
+        if not ok(raw.get(name)):
+            raise ValueError(f"{where}: {name} = {raw[name]!r} is not supported by this implementation (only the "
+                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
+    d = raw.get("dflash_config", {})
+    try:
+        return dict(
+            {k: raw[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                     "num_kv_heads", "vocab_size", "num_target_layers", "rms_norm_eps",
+                                                     "max_position_embeddings")},
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
+            rope_theta=raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"],
+            block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
+            target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
+            selector_top_k=d.get("selector_top_k", 0), **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{where} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
+
+
+def servable(drafter):
+    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
+    switched off is exported with the other as the exact identity: a convolution with
+    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
+    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
+    -> a drafter that computes exactly what `drafter` computes, with both parts or none."""
+    c, state = drafter.config, drafter.state_dict()
+    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
+        return drafter
+    full = {}
+    if not c.conv_kernel_size:
+        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
+        identity = torch.zeros(2, taps, c.hidden_size)
+        identity[:, 0] = 1.0
+        for i in range(c.num_layers):
+            for part in ("attention_conv", "mlp_conv"):
+                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
+                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
+                                                                                   c.hidden_size)
+        full.update(conv_kernel_size=taps, conv_group_size=group)
+    if not c.selector_top_k:
+        R = c.selector_rank
+        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
+        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
+        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
+        full.update(selector_top_k=min(16, c.vocab_size))
+    whole = type(drafter)(dataclasses.replace(c, **full))
+    whole.load_state_dict(state)
+    return whole
+
+
+def save_export(drafter, path, dtype=torch.bfloat16):
+    """DFlash2Drafter.save_pretrained: servable(drafter) as config.json + model.safetensors, written
+    under a temporary name and renamed into place, world-readable (servers run as other users)."""
+    from safetensors.torch import save_file
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+    path, drafter = os.path.abspath(path), servable(drafter)
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
+    try:
+        save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump({**checkpoint_config(drafter.config), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+        os.chmod(tmp, 0o755)  # mkdtemp makes 0700
+        for name in os.listdir(tmp):
+            os.chmod(os.path.join(tmp, name), 0o644)
+        if os.path.exists(path):  # replace an older export: move it aside first, then swap
+            old = tmp + "-old"
+            os.rename(path, old)
+            os.rename(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_export(cls, config_cls, path, dtype=torch.float32, **overrides):
+    """DFlash2Drafter.from_pretrained: read a DFlash2 or DFlash (v1) export folder; no pickle on
+    this path. A v1 export loads into a v1 drafter or, with overrides that switch the
+    convolution / selector on, into a DFlash2 drafter whose new parts keep their identity
+    init (warm start)."""
+    from safetensors.torch import load_file
+    cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
+    for f in (cfg_file, weights_file):
+        if not os.path.isfile(f):
+            raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
+    with open(cfg_file) as f:
+        raw = json.load(f)
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(config_cls)})
+    if unknown:
+        raise ValueError(f"unknown DFlash2Config fields {unknown}")
+    drafter = cls(config_cls(**{**config_fields(raw, cfg_file), **overrides}))
+    try:
+        tensors = load_file(weights_file)
+    except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
+        raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
+    expected = drafter.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    if raw["architectures"][0] == "DFlashDraftModel":  # warm start: the DFlash2 parts keep their identity init
+        missing = [k for k in missing if "_conv." not in k and not k.startswith("candidate_selector.")]
+    unexpected = sorted(set(tensors) - set(expected))
+    mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
+                        if k in tensors and tensors[k].shape != v.shape)
+    if missing or unexpected or mis_shaped:
+        raise ValueError(f"{weights_file} does not match the drafter config: missing {missing}, "
+                         f"unexpected {unexpected}, mis-shaped {mis_shaped}")
+    drafter.load_state_dict(tensors, strict=False)
+    return drafter.to(dtype)
+
+
+def serving_commands(target, export_path, block_size):
+    """How each engine serves an export: vLLM counts the B - 1 drafted tokens, SGLang the whole
+    block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device."""
+    return [
+        f"vllm serve {target} --speculative-config "
+        f"'{{\"method\": \"dflash\", \"model\": \"{export_path}\", \"num_speculative_tokens\": {block_size - 1}}}'",
+        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"--speculative-draft-model-path {export_path} --speculative-num-draft-tokens {block_size}",
+        f"pip install \"dflash[local]\" && dflash generate transformers --model {target} --draft {export_path} \"Hello\"",
+    ]
+
+
+# -----------------------------------------------------------------------------
+# a training run's files
 
 
 def check_out_dir(out_dir):
@@ -117,57 +279,9 @@ def plot_curves(out_dir):
     plt.close(fig)
 
 
-def export(drafter, path, dtype=torch.bfloat16):
-    """The folder engines serve (§7): save_pretrained of servable(drafter)."""
-    servable(drafter).save_pretrained(path, dtype)
-
-
-def servable(drafter):
-    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
-    switched off is exported with the other as the exact identity: a convolution with
-    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
-    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
-    -> a drafter that computes exactly what `drafter` computes, with both parts or none."""
-    c, state = drafter.config, drafter.state_dict()
-    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
-        return drafter
-    full = {}
-    if not c.conv_kernel_size:
-        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
-        identity = torch.zeros(2, taps, c.hidden_size)
-        identity[:, 0] = 1.0
-        for i in range(c.num_layers):
-            for part in ("attention_conv", "mlp_conv"):
-                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
-                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
-                                                                                   c.hidden_size)
-        full.update(conv_kernel_size=taps, conv_group_size=group)
-    if not c.selector_top_k:
-        R = c.selector_rank
-        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
-        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
-        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
-        full.update(selector_top_k=min(16, c.vocab_size))
-    full_drafter = DFlash2Drafter(dataclasses.replace(c, **full))
-    full_drafter.load_state_dict(state)
-    return full_drafter.to(drafter.fc.weight.dtype)
-
-
 def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
     """The servable export, then the resume state; each written under a temp name and renamed."""
-    export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
+    drafter.save_pretrained(os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))
-
-
-def serving_commands(target, export_path, block_size):
-    """How each engine serves an export: vLLM counts the B - 1 drafted tokens, SGLang the whole
-    block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device."""
-    return [
-        f"vllm serve {target} --speculative-config "
-        f"'{{\"method\": \"dflash\", \"model\": \"{export_path}\", \"num_speculative_tokens\": {block_size - 1}}}'",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-        f"--speculative-draft-model-path {export_path} --speculative-num-draft-tokens {block_size}",
-        f"pip install \"dflash[local]\" && dflash generate transformers --model {target} --draft {export_path} \"Hello\"",
-    ]

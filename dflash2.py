@@ -1,8 +1,8 @@
 """
 DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the
 two DFlash2 additions — a grouped dynamic local convolution and a low-rank candidate
-selector — plus its training objective, lossless speculative decoding and the checkpoint
-format that vLLM, SGLang and the z-lab `dflash` package load.
+selector — plus its training objective and lossless speculative decoding. The export
+format that vLLM, SGLang and the z-lab `dflash` package load is checkpoint.py's (§7).
 
 References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
 Aug 2026); the z-lab `dflash` package (inference reference). ALGORITHM.md in this
@@ -23,7 +23,7 @@ Notable departures from a textbook decoder:
   - the local convolution's taps never cross a block start;
   - proposals come from a walk over the top-K candidates of each slot, scored with the
     predecessor the walk actually chose, and verification uses that walk's q.
-Not implemented, and refused when a checkpoint asks for it (§7): logit soft-capping,
+Not implemented (checkpoint.py refuses exports that ask for them, §7): logit soft-capping,
 output multipliers, embedding scales, sliding-window layers, RoPE scaling other than the
 default, pruned draft vocabularies (DFlash2 needs the full vocabulary).
 
@@ -32,11 +32,8 @@ length, N blocks per row (1 at inference), B block size, H hidden, V vocab, K ca
 R selector rank, Kc conv taps, G channels per conv group, nh/nkv query/key-value heads,
 hd head dim, nf target feature layers, M blocks walked at once, T temperature (only).
 """
-import json
 import math
 import os
-import shutil
-import tempfile
 import time
 import dataclasses
 import functools
@@ -474,59 +471,16 @@ class DFlash2Drafter(nn.Module):
         path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
         return path, cand, q
 
+    # The Hugging Face convention, for the export format vLLM, SGLang and z-lab load (§7). The
+    # format's code is checkpoint.py's, which imports nothing from this repository: no circle.
     def save_pretrained(self, path, dtype=torch.bfloat16):
-        """Write the export folder (§7) under a temporary name, then rename it into place, so a
-        crash never leaves a half-written checkpoint under `path`."""
-        from safetensors.torch import save_file
-        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-            raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
-        path = os.path.abspath(path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
-        try:
-            tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in self.state_dict().items()}
-            save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
-            with open(os.path.join(tmp, "config.json"), "w") as f:
-                json.dump({**checkpoint_config(self.config), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
-            for name in ("", "model.safetensors", "config.json"):  # mkdtemp makes 0700: servers run as other users
-                os.chmod(os.path.join(tmp, name), 0o755 if not name else 0o644)
-            old = tmp + "-old"
-            if os.path.exists(path):  # replace an older export: move it aside, swap, then delete it
-                os.rename(path, old)
-            os.rename(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        import checkpoint
+        checkpoint.save_export(self, path, dtype)
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, **overrides):
-        """Read a DFlash2 or DFlash (v1) export folder; no pickle on this path. A v1 export loads
-        into a v1 drafter or, with overrides that switch the convolution / selector on, into a
-        DFlash2 drafter whose new parts keep their identity init (warm start)."""
-        from safetensors.torch import load_file
-        cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
-        for f in (cfg_file, weights_file):
-            if not os.path.isfile(f):
-                raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
-        with open(cfg_file) as f:
-            raw = json.load(f)
-        drafter = cls(DFlash2Config(**{**config_from_checkpoint(raw, cfg_file), **known_fields(overrides)}))
-        try:
-            tensors = load_file(weights_file)
-        except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
-            raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
-        expected = drafter.state_dict()
-        warm_start = lambda k: raw["architectures"][0] == "DFlashDraftModel" and ("_conv." in k or "selector." in k)
-        missing = [k for k in sorted(set(expected) - set(tensors)) if not warm_start(k)]
-        unexpected = sorted(set(tensors) - set(expected))
-        mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
-                            if k in tensors and tensors[k].shape != v.shape)
-        if missing or unexpected or mis_shaped:
-            raise ValueError(f"{weights_file} does not match the drafter config: missing {missing}, "
-                             f"unexpected {unexpected}, mis-shaped {mis_shaped}")
-        drafter.load_state_dict(tensors, strict=False)
-        return drafter.to(dtype)
+        import checkpoint
+        return checkpoint.load_export(cls, DFlash2Config, path, dtype, **overrides)
 
 
 # -----------------------------------------------------------------------------
@@ -939,55 +893,3 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
             stats.accepted_per_slot[k] += 1
     stats.decode_seconds, stats.new_tokens = _now(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats
-
-
-# -----------------------------------------------------------------------------
-# checkpoint format (§7): config.json + model.safetensors, as vLLM, SGLang and z-lab load
-
-QWEN3_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-               "num_kv_heads": "num_key_value_heads"}  # DFlash2Config field -> config.json key, where they differ
-DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")        # config.json's dflash_config
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # there, for DFlash2 only
-SUPPORTED = {  # config.json fields that change what a drafter computes: any other value is refused, not ignored
-    "output_multiplier": lambda v: v in (None, 1), "final_logit_softcapping": lambda v: v is None,
-    "input_embedding_scale": lambda v: v in (None, 1), "use_sliding_window": lambda v: not v,
-    "layer_types": lambda v: all(t == "full_attention" for t in v or []),
-    "is_causal": lambda v: not v,  # attention inside a block is bidirectional
-    "hidden_act": lambda v: v in (None, "silu"), "attention_bias": lambda v: not v,
-    "rope_parameters": lambda v: (v or {}).get("rope_type", (v or {}).get("type", "default")) == "default",
-}
-
-
-def checkpoint_config(c):
-    """config.json of the drafter: a Qwen3 config plus the DFlash/DFlash2 fields in dflash_config."""
-    qwen3 = {QWEN3_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items() if k not in DFLASH_FIELDS + DFLASH2_FIELDS}
-    return {"architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
-            **qwen3, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "block_size": c.block_size,
-            "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())}}
-
-
-def config_from_checkpoint(raw, where):
-    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports -> DFlash2Config fields."""
-    if (raw.get("architectures") or [None])[0] not in ("DFlash2DraftModel", "DFlashDraftModel"):
-        raise ValueError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
-                         "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
-    raw = {**raw, "rope_parameters": raw.get("rope_parameters") or raw.get("rope_scaling")}
-    for name, ok in SUPPORTED.items():
-        if not ok(raw.get(name)):
-            raise ValueError(f"{where}: {name} = {raw[name]!r} is not supported by this implementation (only the "
-                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
-    d = raw.get("dflash_config", {})
-    try:
-        return dict(
-            {k: raw[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                                     "num_kv_heads", "vocab_size", "num_target_layers", "rms_norm_eps",
-                                                     "max_position_embeddings")},
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-            rope_theta=raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"],
-            block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
-            target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
-            selector_top_k=d.get("selector_top_k", 0),
-            **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
-    except (KeyError, TypeError) as e:
-        raise ValueError(f"{where} lacks the key {e.args[0]!r} of a DFlash drafter config") from None

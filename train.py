@@ -25,7 +25,7 @@ import transformers
 from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_shape, dflash2_loss, sample_anchors,
                      spec_generate)
 from memory import check_fits, format_plan, memory_plan, read_target_config
-from checkpoint import (check_out_dir, check_resume, export, plot_curves, record, resume, run_identity, save_checkpoint,
+from checkpoint import (check_out_dir, check_resume, plot_curves, record, resume, run_identity, save_checkpoint,
                         serving_commands, weights_fingerprint)
 from data import choose_mask_token, collate, load_rows, load_target, load_tokenizer, parse_template_kwargs, regenerate
 from tiny_world import tiny_world
@@ -296,7 +296,7 @@ def dry_run(drafter, args, log):
     """--dry-run: the untrained export of this target and drafter shape, to check that a serving
     engine loads it before any training; no data and no target weights are read."""
     path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
-    export(drafter, path, getattr(torch, args.export_dtype))
+    drafter.save_pretrained(path, getattr(torch, args.export_dtype))
     log(f"untrained export (B = {drafter.config.block_size}) in {path}; serve it with one of:")
     for command in serving_commands(args.target, path, drafter.config.block_size):
         log(command)
