@@ -1,26 +1,36 @@
 """
 Chat data -> training rows for train.py (ALGORITHM.md §6 Data).
 
-    conversations = read_conversations("chats.jsonl")       # [[{"role", "content"}, ...], ...]
+    conversations = read_conversations("chats.jsonl")       # [[{"role", "content", ...}, ...], ...]
     conversations = regenerate_conversations(target, tokenizer, conversations)   # the target's own answers
     rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)            # input_ids / loss_mask
 
-A conversation is a list of {"role": system | user | assistant | tool, "content": str}.
+A conversation is a list of {"role": system | user | assistant | tool, "content": str, ...}:
+every other field of a message (tool_calls, reasoning_content / reasoning / thinking,
+tool_call_id, name, ...) is kept for the chat template, and a row's `tools` go to it too.
 Every bad input is a ValueError of one line that names the file, the line (jsonl, 1-based)
 or the row (json array, parquet, hub dataset; 0-based, as in ds[i]) and the field:
 
     chats.jsonl: line 3: messages[1].role: unknown role 'bot' (expected system, user, ...)
 
 Decisions:
-- loss tokens (`assistant_tokens`) are each assistant turn's content and its end-of-turn
-  token, as the chat template really renders the whole conversation: from the template's
-  own {% generation %} marks when it has them, else from turn-by-turn renders; the newline
-  a template writes after the end-of-turn token is not trained;
+- loss tokens (`assistant_tokens`) are what the target generates for each assistant turn, as
+  the chat template renders the whole conversation: its reasoning, content, tool calls and
+  end-of-turn token; never what the prompt supplies (headers, the generation prompt, the
+  newline after the end-of-turn token). Found by renders with sentinels in the turn's fields
+  and by laying the turn's prompt over the render, so headerless (Mistral) and multi-ending
+  (harmony) templates work; {% generation %} marks can narrow this, never widen it;
+- the reasoning goes under every name the template reads; tool-call arguments go as the row
+  has them, unless only the other type renders as JSON (`arguments | tojson` wants an object,
+  a string is parsed as vLLM does; `'...' + arguments` wants a string, an object is dumped);
+- a tool call the template does not render refuses the row (its tokens would be missing);
+  reasoning it does not render is counted and printed;
 - OpenAI list content keeps its text parts joined by newlines (as vLLM joins them); any
   other part is an error;
 - rows with fewer than 2 loss tokens after truncation are dropped, counted and printed;
-- regeneration decodes with its own loop rather than `generate`: a torch.Generator seeds
-  the sampling, and the stop tokens are the template's end-of-turn token and the eos.
+- regeneration keeps assistant turns with tool calls (it cannot run the tools that answer
+  them) and decodes with its own loop rather than `generate`: a torch.Generator seeds the
+  sampling, and the stop tokens are the template's end-of-turn token and the eos.
 """
 import json
 import os
@@ -89,6 +99,7 @@ def load_tokenizer(target, chat_template=None):
 FORMATS = (".jsonl", ".json", ".parquet")
 ROLES = {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool",
          "human": "user", "gpt": "assistant", "model": "assistant"}  # OpenAI roles, then ShareGPT's `from`
+REASONING = ("reasoning_content", "reasoning", "thinking")  # what datasets and chat templates call a turn's reasoning
 
 
 class BadRow(ValueError):
@@ -165,9 +176,47 @@ def message_text(content, where, field):
     return content
 
 
+def json_object(value, where, field, what):
+    """Checks that `value` is an object, or a string holding a JSON object (OpenAI's tool-call arguments)."""
+    if isinstance(value, str):
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{where}: {field}: a string that is not JSON ({e.msg} at column {e.colno}); expected "
+                         f"{what}", "bad tool_calls") from None
+        if not isinstance(parsed, dict):
+            raise BadRow(f"{where}: {field}: a JSON {type(parsed).__name__}; expected {what}", "bad tool_calls")
+    elif not isinstance(value, dict):
+        raise BadRow(f"{where}: {field}: expected {what}, got {type(value).__name__}", "bad tool_calls")
+
+
+def check_tool_calls(calls, where, field):
+    """OpenAI tool calls: [{"type": "function", "id": ..., "function": {"name", "arguments"}}], or
+    the flat {"name", "arguments"} some datasets use; arguments an object or a JSON string of one."""
+    if not isinstance(calls, list):
+        raise BadRow(f"{where}: {field}: expected a list of tool calls, got {type(calls).__name__}", "bad tool_calls")
+    for k, call in enumerate(calls):
+        f = f"{field}[{k}]"
+        if not isinstance(call, dict):
+            raise BadRow(f"{where}: {f}: expected an object, got {type(call).__name__}", "bad tool_calls")
+        fn = call.get("function", call)
+        if not isinstance(fn, dict):
+            raise BadRow(f"{where}: {f}.function: expected an object, got {type(fn).__name__}", "bad tool_calls")
+        f += ".function" if "function" in call else ""
+        if not isinstance(fn.get("name"), str):
+            raise BadRow(f"{where}: {f}.name: expected a string, got {type(fn.get('name')).__name__}",
+                         "bad tool_calls")
+        if "arguments" not in fn:
+            raise BadRow(f"{where}: {f}.arguments: missing", "bad tool_calls")
+        json_object(fn["arguments"], where, f"{f}.arguments", "an object or a string holding a JSON object")
+
+
 def conversation(row, where):
-    """One row -> [{"role", "content"}]: 'messages' or 'conversations', role/content or from/value.
-    Raises BadRow naming `where` and the field."""
+    """One row -> [{"role", "content", ...}]: 'messages' or 'conversations', role/content or
+    from/value, every other field of a message kept for the chat template (tool_calls,
+    reasoning_content / reasoning / thinking, tool_call_id, name, ...). Fields a template reads
+    are type-checked; a None field is absent (parquet and hub rows hold every struct key). An
+    assistant turn with tool_calls may have no content. Raises BadRow naming `where` and the field."""
     if not isinstance(row, dict):
         raise BadRow(f"{where}: expected an object with 'messages', got {type(row).__name__}", "not an object")
     key = next((k for k in ("messages", "conversations") if k in row), None)
@@ -182,25 +231,56 @@ def conversation(row, where):
         if not isinstance(m, dict):
             raise BadRow(f"{where}: {field}: expected an object with role/content (or from/value), got "
                          f"{type(m).__name__}", "bad message")
-        role = m.get("role") or m.get("from")  # `or`: parquet/hub rows hold every struct key, absent ones as None
+        m = {k: v for k, v in m.items() if v is not None}
+        role, content = m.pop("role", m.pop("from", None)), m.pop("content", m.pop("value", None))
         if role is None:
             raise BadRow(f"{where}: {field}: no 'role' (or 'from')", "missing role")
         if not isinstance(role, str) or role not in ROLES:
             raise BadRow(f"{where}: {field}.role: unknown role {role!r} (expected system, user, assistant or tool; "
                          "ShareGPT's human, gpt or model)", "unknown role")
-        content = m.get("content") if m.get("content") is not None else m.get("value")
+        if m.get("tool_calls") == []:  # no calls: as if absent (a template may index tool_calls[0])
+            del m["tool_calls"]
+        if "tool_calls" in m:
+            if ROLES[role] != "assistant":
+                raise BadRow(f"{where}: {field}.tool_calls: only assistant turns make tool calls (role {role!r})",
+                             "bad tool_calls")
+            check_tool_calls(m["tool_calls"], where, f"{field}.tool_calls")
+            content = "" if content is None else content
         if content is None:
             raise BadRow(f"{where}: {field}.content: missing (every message needs a 'content' or 'value')",
                          "missing content")
-        out.append({"role": ROLES[role], "content": message_text(content, where, f"{field}.content")})
+        for name in (*REASONING, "tool_call_id", "name"):
+            if name in m and not isinstance(m[name], str):
+                raise BadRow(f"{where}: {field}.{name}: expected a string, got {type(m[name]).__name__}",
+                             f"bad {name}")
+        if len({m[k] for k in REASONING if k in m}) > 1:
+            raise BadRow(f"{where}: {field}: {' and '.join(k for k in REASONING if k in m)} differ; keep one "
+                         "reasoning field", "bad reasoning")
+        out.append({"role": ROLES[role], "content": message_text(content, where, f"{field}.content"), **m})
     if not any(m["role"] == "assistant" for m in out):
         raise BadRow(f"{where}: {key}: no assistant turn (roles: {', '.join(m['role'] for m in out) or 'none'})",
                      "no assistant turn")
     return out
 
 
+def row_tools(row, where):
+    """A row's tool definitions ('tools': a list of objects, or a JSON string of one) -> list or None;
+    the chat template renders them into the prompt, as a server does for a request with tools."""
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{where}: tools: a string that is not JSON ({e.msg} at column {e.colno})", "bad tools") \
+                from None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise BadRow(f"{where}: tools: expected a list of tool definitions (objects), got {type(tools).__name__}",
+                     "bad tools")
+    return tools or None
+
+
 def located_conversations(source, split, drop_bad, log):
-    """read_conversations, each conversation with its `where` -> [(where, conversation)]."""
+    """read_conversations, each conversation with its `where` and tools -> [(where, conversation, tools)]."""
     rows = raw_rows(source, split)
     if not rows:
         raise ValueError(f"{source}: no rows")
@@ -209,7 +289,7 @@ def located_conversations(source, split, drop_bad, log):
         try:
             if isinstance(row, BadRow):
                 raise row
-            out.append((where, conversation(row, where)))
+            out.append((where, conversation(row, where), row_tools(row, where)))
         except BadRow as e:
             if not drop_bad:
                 raise
@@ -227,125 +307,266 @@ def read_conversations(source, split="train", drop_bad=False, log=print):
     """Local .jsonl / .json (an array or JSON lines) / .parquet, or a hub dataset id (`split`) ->
     list of conversations. Each row holds 'messages' or 'conversations': role/content (OpenAI) or
     from/value (ShareGPT; human -> user, gpt/model -> assistant); list content keeps its text
-    parts. Every row needs an assistant turn. A bad row raises ValueError naming the file, the
-    line/row and the field; with drop_bad=True bad rows are dropped, counted and printed instead."""
-    return [c for _, c in located_conversations(source, split, drop_bad, log)]
+    parts; every other message field is kept (see `conversation`). Every row needs an assistant
+    turn. A bad row raises ValueError naming the file, the line/row and the field; with
+    drop_bad=True bad rows are dropped, counted and printed instead."""
+    return [c for _, c, _ in located_conversations(source, split, drop_bad, log)]
 
 
 # -----------------------------------------------------------------------------
 # rendering with the chat template; assistant masks
 
-PROBE = "\x01assistant content probe\x01"  # a content no template transforms, found again in the render
+SENTINEL = "\ue000{}\ue000"  # private-use characters: no template trims or escapes them, no text holds them
 GENERATION_TAG = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
-def render(tokenizer, messages, template_kwargs, add_generation_prompt=False):
-    """The chat template's text for `messages` (no tokenization)."""
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **template_kwargs)
+def template_messages(messages, facts):
+    """Messages as this chat template wants them: the reasoning under every name the template
+    reads, and tool-call arguments of the type it renders as JSON (a JSON string is parsed, an
+    object dumped, as servers do before they render a request)."""
+    out = []
+    for m in messages:
+        m = dict(m)
+        reasoning = next((m[k] for k in REASONING if k in m), None)
+        if reasoning is not None:
+            m.update({k: reasoning for k in facts["reasoning"]})
+        if "tool_calls" in m and facts["arguments"]:
+            calls = []
+            for call in m["tool_calls"]:
+                fn = dict(call.get("function", call))
+                args = fn["arguments"]
+                if facts["arguments"] == "object" and isinstance(args, str):
+                    fn["arguments"] = json.loads(args)
+                elif facts["arguments"] == "string" and not isinstance(args, str):
+                    fn["arguments"] = json.dumps(args, ensure_ascii=False)
+                calls.append({**call, "function": fn} if "function" in call else fn)
+            m["tool_calls"] = calls
+        out.append(m)
+    return out
+
+
+def render(tokenizer, messages, kw, facts, add_generation_prompt=False):
+    """The chat template's text for `messages` (no tokenization); kw holds the template options
+    and the row's tools."""
+    return tokenizer.apply_chat_template(template_messages(messages, facts), tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kw)
 
 
 def common_prefix(a, b):
-    """Length of the longest common prefix of two strings."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+    """Length of the longest common prefix of two strings (binary search over slice compares)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    return lo
+
+
+def changed_region(text, other):
+    """-> (start, end) of the part of `text` that `other` replaces (the rest of both is equal), or
+    None when they are equal."""
+    if text == other:
+        return None
+    p = common_prefix(text, other)
+    s = common_prefix(text[p:][::-1], other[p:][::-1])
+    return p, len(text) - s
+
+
+def tool_call(arguments, name="f"):
+    """A tool call of the probes; the 9-character id satisfies Mistral's templates."""
+    return {"type": "function", "id": "abcdefghi", "function": {"name": name, "arguments": arguments}}
+
+
+def first_added_token(tokenizer, text):
+    """-> (text, id) of the first added/special token in `text`, or None."""
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    added = set(tokenizer.added_tokens_decoder)
+    i = next((i for i, t in enumerate(enc["input_ids"]) if t in added), None)
+    return None if i is None else (text[slice(*enc["offset_mapping"][i])], enc["input_ids"][i])
 
 
 def end_of_turn(tokenizer, template_kwargs):
-    """-> (text, id) of the end-of-turn token: the first added/special token the template writes
-    after the last assistant turn's content (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>).
-    Plain text such as a newline cannot end a turn: contents hold newlines too."""
-    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": PROBE}]
-    tail = render(tokenizer, probe, template_kwargs).split(PROBE)[-1]
-    enc = tokenizer(tail, add_special_tokens=False, return_offsets_mapping=True)
-    added = set(tokenizer.added_tokens_decoder)
-    i = next((i for i, t in enumerate(enc["input_ids"]) if t in added), None)
-    if i is None:
+    """-> (text, id) of the token that ends a last assistant turn: the first added/special token the
+    template writes after its content (<|im_end|>, <|eot_id|>, <end_of_turn>, </s>, harmony's
+    <|return|>). Plain text such as a newline cannot end a turn: contents hold newlines too."""
+    probe = [{"role": "user", "content": "?"}, {"role": "assistant", "content": SENTINEL.format("c")}]
+    tail = tokenizer.apply_chat_template(probe, tokenize=False, **template_kwargs).split(SENTINEL.format("c"))[-1]
+    found = first_added_token(tokenizer, tail)
+    if found is None:
         raise ValueError(f"the chat template writes {tail!r} after an assistant turn, no special token that ends "
                          f"the turn; pass --chat-template FILE with a template that does (e.g. with the eos token "
                          f"{tokenizer.eos_token!r})")
-    start, end = enc["offset_mapping"][i]
-    return tail[start:end], enc["input_ids"][i]
+    return found
 
 
-def assistant_spans(tokenizer, messages, text, template_kwargs):
-    """-> [(start, end)]: character spans of `text`, the render of all `messages`, that are loss
-    text: each assistant turn from the end of its header to the end of its end-of-turn token.
+def template_facts(tokenizer, template_kwargs=None):
+    """What rendering and masking need to know of a chat template, found once by probe renders:
+    kw        the template options;
+    eot       (text, id) of end_of_turn, where regeneration stops;
+    ends      ids of every token that can end an assistant turn: the first added token after a
+              probe's content, reasoning or tool call (harmony ends turns with <|end|>, <|return|>
+              or <|call|>; ChatML always with <|im_end|>);
+    arguments "object" or "string" when only that type of tool-call arguments comes out as JSON
+              (`arguments | tojson` wants an object, `'...' + arguments` a string), else None;
+    reasoning the reasoning field names the template reads."""
+    kw = dict(template_kwargs or {})
+    template = tokenizer.chat_template or ""
+    reads = lambda name: re.search(rf"\.\s*{name}\b|\[\s*['\"]{name}['\"]\s*\]|['\"]{name}['\"]\s+(not\s+)?in\b|"
+                                   rf"\.get\(\s*['\"]{name}['\"]", template)
+    facts = {"kw": kw, "eot": end_of_turn(tokenizer, kw), "arguments": None,
+             "reasoning": tuple(k for k in REASONING if reads(k))}
+    user, arg = {"role": "user", "content": "?"}, SENTINEL.format("a")
 
-    A turn's header is found with two probe renders of the conversation before it (`before`):
-    plus the generation prompt (the header of a last turn; Qwen3's may hold an empty think
-    block) and plus an assistant turn followed by a user turn (the header of an earlier turn).
-    A header is the probe's text from where it leaves `before`, so with templates that move the
-    system prompt into the last user turn (Mistral's) it starts inside that user turn. It is
-    searched in `text` from where the probe, or `text` if earlier, leaves `before`, never before
-    the previous turn's end; the first header found wins, the longest at a tie. For templates
-    that render a turn the same whatever follows, that is exactly where `before` ends; the search
-    follows the others (Qwen3 renders a trailing assistant turn with its reasoning, an earlier
-    one without)."""
-    kw = template_kwargs
-    eot, _ = end_of_turn(tokenizer, kw)
-    spans, prev_end = [], 0
+    def try_render(messages):  # probes only: a template may refuse a probe for any reason of its own
+        try:
+            return render(tokenizer, messages, kw, facts)
+        except Exception:
+            return ""
+
+    call = lambda v: [user, {"role": "assistant", "content": "", "tool_calls": [tool_call(v)]}]
+    as_json = {kind: f'"{arg}"' in try_render(call(v))
+               for kind, v in (("object", {"x": arg}), ("string", json.dumps({"x": arg}, ensure_ascii=False)))}
+    if as_json["object"] != as_json["string"]:
+        facts["arguments"] = "object" if as_json["object"] else "string"
+    content, reasoning = SENTINEL.format("c"), SENTINEL.format("r")
+    probes = [([user, {"role": "assistant", "content": content}, user], content),
+              ([user, {"role": "assistant", "content": content, **{k: reasoning for k in REASONING}}], reasoning),
+              ([user, {"role": "assistant", "content": "", "tool_calls": [tool_call({"x": arg})]},
+                {"role": "tool", "content": "?", "tool_call_id": "abcdefghi", "name": "f"}], arg)]
+    facts["ends"] = {facts["eot"][1]}
+    for messages, field in probes:
+        text = try_render(messages)
+        found = first_added_token(tokenizer, text.split(field)[-1]) if field in text else None
+        facts["ends"] |= {found[1]} if found else set()
+    return facts
+
+
+def with_sentinels(messages, j):
+    """-> (messages with message j's own text replaced by sentinels, {field: sentinel}). For an
+    assistant turn: the content and the reasoning when not empty (a template may render an empty
+    one differently), each tool call's arguments; the content also when nothing else is there."""
+    m, marks = dict(messages[j]), {}
+    for k in REASONING:
+        if m.get(k):
+            marks["reasoning"] = m[k] = SENTINEL.format(f"r{j}")
+    for k, call in enumerate(m.get("tool_calls", [])):
+        marks[k] = SENTINEL.format(f"a{j}.{k}")
+        fn = {**call.get("function", call), "arguments": {"x": marks[k]}}
+        m["tool_calls"] = [*m["tool_calls"][:k], {**call, "function": fn} if "function" in call else fn,
+                           *m["tool_calls"][k + 1:]]
+    if m["content"] or not marks:
+        marks["content"] = m["content"] = SENTINEL.format(f"c{j}")
+    return [*messages[:j], m, *messages[j + 1:]], marks
+
+
+def assistant_spans(tokenizer, messages, text, enc, facts, kw):
+    """-> ([(start, end)], n): character spans of `text`, the render of all `messages` (`enc` its
+    tokenization with offsets), that are loss text, and the number of assistant turns whose
+    reasoning the template does not render.
+
+    The loss text of an assistant turn is what the target generates for it (ALGORITHM.md §6):
+    from where the generation prompt ends to the end of the turn's last end-of-turn token.
+    - The turn's own text (content, reasoning, tool calls) is where `text` changes when they are
+      replaced by sentinels. A tool call that does not come out is an error: its tokens, what the
+      target generates, would be missing.
+    - Start: the prompt for the turn, render(messages[:i]) + generation prompt, is laid over
+      `text` from the end of the previous message's own text; where they part (or where the turn's
+      own text starts) the target takes over. So the header, the generation prompt (with Qwen3's
+      empty think block under enable_thinking=false) and a user turn's closing are prompt, while
+      text the prompt does not hold is generated: harmony's <|channel|>...<|message|>, the space
+      Mistral's template writes before an answer.
+    - End: the last end-of-turn token (facts["ends"]) between the turn's own text and the next
+      rendered message's own text; the newline a template writes after it is not trained.
+    Nothing here assumes that earlier renders are prefixes of later ones: Mistral moves the system
+    prompt into the last user turn, Qwen3 and harmony drop the reasoning of earlier turns."""
+    regions = {}
+
+    def region(j):  # (start, end) of message j's own text in `text`, None when the template drops it
+        if j not in regions:
+            variant, marks = with_sentinels(messages, j)
+            probe = render(tokenizer, variant, kw, facts)
+            regions[j] = changed_region(text, probe), probe, marks
+        return regions[j]
+
+    spans, unrendered, prev_end = [], 0, 0
+    ends = facts["ends"]
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], kw) if i else ""
-        probes = [render(tokenizer, messages[:i] + [{"role": "assistant", "content": PROBE},
-                                                     {"role": "user", "content": "?"}], kw)]
-        if i:  # a generation prompt for no messages at all breaks templates that read messages[0]
-            probes.append(render(tokenizer, messages[:i], kw, add_generation_prompt=True))
-        same = common_prefix(before, text)
-        found, headers = [], []
-        for p in probes:  # the header starts where the probe leaves `before`, at most where `text` does
-            k = common_prefix(before, p)
-            h = p[k:].split(PROBE)[0]
-            at = text.find(h, max(min(k, same), prev_end)) if h else -1
-            headers.append(h)
-            if at >= 0:
-                found.append((at, -len(h)))
-        if not found:
-            raise ValueError(f"the chat template's header of assistant turn {i} ({', '.join(map(repr, headers))}) "
-                             f"is not in its render of the conversation after character {prev_end}")
-        at, minus_len = min(found)  # the first header, the longest at a tie
-        body = at - minus_len
-        # a content that quotes the end-of-turn text is skipped over when the template writes it verbatim
-        end = text.find(eot, body + len(m["content"]) if text.startswith(m["content"], body) else body)
-        if end < 0:
-            raise ValueError(f"assistant turn {i}: no end-of-turn {eot!r} after it in the chat template's render")
-        prev_end = end + len(eot)
-        spans.append((body, prev_end))
-    return spans
+        where, probe, marks = region(i)
+        for k, call in enumerate(m.get("tool_calls", [])):
+            if marks[k] not in probe:
+                raise ValueError(f"messages[{i}].tool_calls[{k}] ({call.get('function', call)['name']}): the chat "
+                                 f"template does not render this tool call, so the tokens the target generates for "
+                                 f"it cannot be trained")
+        unrendered += "reasoning" in marks and marks["reasoning"] not in probe
+        if where is None:
+            raise ValueError(f"messages[{i}]: the chat template renders nothing of this assistant turn")
+        p, e = where
+        try:
+            prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
+        except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
+            if i:
+                raise
+            prompt = text[:p]  # then the turn starts at its own text
+        at, at_prompt = 0, 0  # the end of the previous message's own text, in `text` and in `prompt`
+        for j in range(i - 1, -1, -1):
+            if region(j)[0] is not None:
+                variant, _ = with_sentinels(messages[:i], j)
+                in_prompt = changed_region(prompt, render(tokenizer, variant, kw, facts, add_generation_prompt=True))
+                if in_prompt is not None:
+                    at, at_prompt = region(j)[0][1], in_prompt[1]
+                    break
+        start = max(at + common_prefix(text[at:p], prompt[at_prompt:]), prev_end)
+        bound = next((region(j)[0][0] for j in range(i + 1, len(messages)) if region(j)[0] is not None), len(text))
+        end = max((b for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t in ends and a >= e and
+                   b <= bound), default=None)
+        if end is None:
+            raise ValueError(f"messages[{i}]: no end-of-turn token (one of "
+                             f"{', '.join(map(repr, tokenizer.convert_ids_to_tokens(sorted(ends))))}) after this "
+                             f"assistant turn in the chat template's render")
+        spans.append((start, end))
+        prev_end = end
+    return spans, unrendered
 
 
-def assistant_tokens(tokenizer, messages, template_kwargs=None):
+def row_tokens(tokenizer, messages, tools, facts):
+    """assistant_tokens, plus the number of assistant turns whose reasoning the template drops."""
+    kw = {**facts["kw"], **({"tools": tools} if tools else {})}
+    text = render(tokenizer, messages, kw, facts)
+    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    spans, unrendered = assistant_spans(tokenizer, messages, text, enc, facts, kw)
+    mask = [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
+    if GENERATION_TAG.search(tokenizer.chat_template or ""):
+        out = tokenizer.apply_chat_template(template_messages(messages, facts), tokenize=True, return_dict=True,
+                                            return_assistant_tokens_mask=True, **kw)
+        if out["input_ids"] != enc["input_ids"]:
+            raise ValueError("the chat template's {% generation %} render tokenizes differently from its plain render")
+        mask = [a & b for a, b in zip(mask, out["assistant_masks"])]
+    return enc["input_ids"], mask, unrendered
+
+
+def assistant_tokens(tokenizer, messages, template_kwargs=None, tools=None, facts=None):
     """-> (input_ids, loss_mask) of a conversation rendered with the chat template; loss_mask is 1
-    on every assistant turn's content and its end-of-turn token, as the template renders the
-    whole conversation, and 0 on system/user/tool turns, the templates' headers, separators
-    and any turn after the last assistant one.
-
-    A template with {% generation %} marks gives the mask itself (what it marks is trained).
-    Otherwise the mask comes from turn-by-turn renders (`assistant_spans`), mapped to tokens by
-    the tokenizer's offsets: a token is trained when it overlaps a span, as the {% generation %}
-    path does (a token that merges the header's last character with the content's first is trained).
+    on what the target generates for each assistant turn — its reasoning, content and tool calls
+    as the template renders them, and the turn's end-of-turn token — and 0 on system/user/tool
+    turns, headers, generation prompts, the newline after an end-of-turn token and any turn after
+    the last assistant one (`assistant_spans`). Spans map to tokens by the tokenizer's offsets: a
+    token is trained when it overlaps one (a token that merges the header's last character with
+    the content's first is trained). A template's own {% generation %} marks can narrow the mask,
+    never widen it: SmolLM3's wrap the header and the newline after <|im_end|> too.
 
     What is trained with Qwen3-style templates, which rewrite assistant turns:
     - an assistant turn before the last user turn: its answer only, because the template drops
       its reasoning (<think>...</think>) from the render;
     - an assistant turn after the last user turn (the answer, or each step of a tool-calling
       loop): the template's think block `<think>\\nREASONING\\n</think>\\n\\n` and the answer.
-      The last turn always gets one, empty when its content has no reasoning, and it is trained;
-      with {"enable_thinking": false} the generation prompt already holds that empty think
-      block, so then it is prompt, not loss."""
-    template_kwargs = template_kwargs or {}
-    if GENERATION_TAG.search(tokenizer.chat_template or ""):
-        out = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True,
-                                            return_assistant_tokens_mask=True, **template_kwargs)
-        return out["input_ids"], out["assistant_masks"]
-    text = render(tokenizer, messages, template_kwargs)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    spans = assistant_spans(tokenizer, messages, text, template_kwargs)
-    return enc["input_ids"], [int(any(a < e and b > s for s, e in spans)) for a, b in enc["offset_mapping"]]
+      The last turn always gets one, empty when it has no reasoning, and it is trained; with
+      {"enable_thinking": false} the generation prompt already holds that empty think block, so
+      then it is prompt, not loss.
+    `facts` (template_facts) saves its probe renders when called for many conversations."""
+    facts = facts or template_facts(tokenizer, template_kwargs)
+    ids, mask, _ = row_tokens(tokenizer, messages, tools, facts)
+    return ids, mask
 
 
 # -----------------------------------------------------------------------------
@@ -354,22 +575,29 @@ def assistant_tokens(tokenizer, messages, template_kwargs=None):
 
 def load_rows(data, split, tokenizer, seq_len, *, template_kwargs=None, drop_bad=False, log=print):
     """`data` (see read_conversations) -> datasets.Dataset of input_ids / loss_mask (torch
-    format), rows cut to seq_len tokens. A conversation the chat template rejects (some raise on
-    roles that do not alternate) is a ValueError naming its row, or a counted drop with drop_bad.
-    A row with fewer than 2 loss tokens left teaches nothing (a loss token is predicted from the
-    one before it): such rows are dropped, counted and printed with the reason."""
+    format), rows cut to seq_len tokens; a row's `tools` go to the template. A conversation the
+    chat template cannot render (it raises, e.g. on roles that do not alternate or a system role
+    it does not support, or it drops a tool call) is a ValueError naming its row and quoting the
+    template's message, or a counted drop with drop_bad. A row with fewer than 2 loss tokens left
+    teaches nothing (a loss token is predicted from the one before it): such rows are dropped,
+    counted and printed with the reason. Assistant turns whose reasoning the template does not
+    render are counted and printed."""
     if not tokenizer.chat_template:
         raise ValueError("the tokenizer has no chat template: pass --chat-template FILE (a Jinja template)")
     rows = located_conversations(data, split, drop_bad, log)
+    facts = template_facts(tokenizer, template_kwargs)
     ids, masks, rejected, beyond, empty, t_log = [], [], [], 0, 0, time.time()
-    for n, (where, c) in enumerate(rows, 1):
+    with_reasoning = sum(any(m.get(k) for k in REASONING) for _, c, _ in rows for m in c if m["role"] == "assistant")
+    unrendered = 0
+    for n, (where, c, tools) in enumerate(rows, 1):
         try:
-            row_ids, mask = assistant_tokens(tokenizer, c, template_kwargs)
-        except (ValueError, jinja2.TemplateError) as e:
+            row_ids, mask, dropped = row_tokens(tokenizer, c, tools, facts)
+        except (ValueError, TypeError, jinja2.TemplateError) as e:  # TypeError: a template adding str and dict
             if not drop_bad:
                 raise ValueError(f"{where}: chat template: {e}") from None
             rejected.append(f"{where}: {e}")
             continue
+        unrendered += dropped
         if sum(mask[:seq_len]) >= 2:
             ids.append(row_ids[:seq_len])
             masks.append(mask[:seq_len])
@@ -382,6 +610,10 @@ def load_rows(data, split, tokenizer, seq_len, *, template_kwargs=None, drop_bad
             t_log = time.time()
     if rejected:
         log(f"{data}: dropped {len(rejected)} of {len(rows)} rows the chat template rejects (first: {rejected[0]})")
+    if unrendered:
+        log(f"{data}: {unrendered} of {with_reasoning} assistant turns with reasoning are trained without it: the "
+            f"chat template does not render it (templates drop the reasoning of turns before the last user turn; "
+            f"one that reads none of the fields {', '.join(REASONING)} drops it everywhere)")
     if beyond or empty:
         log(f"{data}: dropped {beyond + empty} of {len(rows)} rows with fewer than 2 loss tokens: {beyond} with "
             f"their assistant tokens beyond --seq-len {seq_len}, {empty} with empty assistant turns")
@@ -427,14 +659,20 @@ def generate(target, prompts, stop_ids, max_new_tokens, temperature, generator, 
 
 
 def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.0, max_new_tokens=256, batch_size=8,
-                             template_kwargs=None, generator=None, progress=None):
+                             template_kwargs=None, tools=None, generator=None, progress=None):
     """Replace every assistant turn, in order, with the target's own response to the conversation
     so far (earlier turns already replaced): rendered with the chat template and its generation
-    prompt, decoded until the end-of-turn token, the tokenizer's eos or the target's
-    generation_config eos, or max_new_tokens; the end-of-turn text is not part of the content.
-    temperature 0 is greedy; `generator` (on the target's device) seeds sampling.
-    `progress(done, total)` is called after each batch, counting assistant turns.
-    -> new conversations (the input is not modified); other turns are kept as they are.
+    prompt (and the conversation's tools: `tools` holds one list or None per conversation),
+    decoded until the end-of-turn token, the tokenizer's eos or the target's generation_config
+    eos, or max_new_tokens; the end-of-turn text is not part of the content. The decoded text is
+    the new content, reasoning included as the target writes it (Qwen3's <think>...</think>), so
+    the turn's reasoning fields go; its other fields stay. temperature 0 is greedy; `generator`
+    (on the target's device) seeds sampling. `progress(done, total)` is called after each batch,
+    counting regenerated turns. -> new conversations (the input is not modified).
+
+    An assistant turn with tool_calls is kept as it is: the tool results after it answer those
+    calls, and regeneration cannot run tools to answer different ones. The turns after the
+    results are regenerated (they answer results that stay valid); other turns are kept.
 
     Turn k of a conversation needs its turn k-1, so the work goes round by round: each round
     answers the next pending turn of every conversation, in batches of prompts sorted by length."""
@@ -443,28 +681,29 @@ def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    template_kwargs = template_kwargs or {}
-    eot_text, eot_id = end_of_turn(tokenizer, template_kwargs)
+    facts = template_facts(tokenizer, template_kwargs)
+    eot_text, eot_id = facts["eot"]
     eos = target.generation_config.eos_token_id
     stop_ids = {eot_id, tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eot_id
+    tools = tools or [None] * len(conversations)
     out = [[dict(m) for m in c] for c in conversations]
-    pending = [[i for i, m in enumerate(c) if m["role"] == "assistant"] for c in out]
+    pending = [[i for i, m in enumerate(c) if m["role"] == "assistant" and "tool_calls" not in m] for c in out]
     total, done = sum(len(p) for p in pending), 0
     while any(pending):
         turns = []  # (conversation, turn, prompt ids)
         for c, p in enumerate(pending):
             if p:
-                ids = tokenizer.apply_chat_template(out[c][:p[0]], tokenize=True, add_generation_prompt=True,
-                                                    return_dict=True, **template_kwargs)["input_ids"]
-                turns.append((c, p.pop(0), ids))
+                kw = {**facts["kw"], **({"tools": tools[c]} if tools[c] else {})}
+                prompt = render(tokenizer, out[c][:p[0]], kw, facts, add_generation_prompt=True)
+                turns.append((c, p.pop(0), tokenizer(prompt, add_special_tokens=False)["input_ids"]))
         turns.sort(key=lambda t: len(t[2]))
         for b in range(0, len(turns), batch_size):
             batch = turns[b:b + batch_size]
             answers = generate(target, [t[2] for t in batch], stop_ids, max_new_tokens, temperature, generator, pad_id)
             for (c, i, _), answer in zip(batch, answers):
-                text = tokenizer.decode(answer)
-                out[c][i] = {"role": "assistant", "content": text.split(eot_text)[0]}
+                kept = {k: v for k, v in out[c][i].items() if k not in REASONING}
+                out[c][i] = {**kept, "content": tokenizer.decode(answer).split(eot_text)[0]}
             done += len(batch)
             if progress:
                 progress(done, total)
@@ -504,21 +743,29 @@ def written_rows(out_path, conversations, log):
 def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_new_tokens, batch_size, template_kwargs,
                     log):
     """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
-    {"messages": [...]} rows in the input's order. Rows are appended batch by batch, so a killed
-    run started again with the same arguments resumes after the last complete row. The input is
-    read here again: to report its errors before the target's weights load, call
+    {"messages": [...]} rows (plus the row's "tools") in the input's order. Rows are appended
+    batch by batch, so a killed run started again with the same arguments resumes after the last
+    complete row. Assistant turns with tool calls are kept as they are, counted and printed. The
+    input is read here again: to report its errors before the target's weights load, call
     read_conversations(in_path) first."""
-    conversations = read_conversations(in_path, log=log)
+    rows = located_conversations(in_path, "train", False, log)
+    conversations, tools = [c for _, c, _ in rows], [t for _, _, t in rows]
     start = written_rows(out_path, conversations, log)
     if start:
         log(f"{out_path}: {start} of {len(conversations)} conversations already regenerated, resuming")
+    calls = sum("tool_calls" in m for c in conversations for m in c)
+    if calls:
+        log(f"{in_path}: {calls} assistant turns with tool calls are kept as they are (regeneration cannot run the "
+            f"tools that would answer other calls); the other assistant turns are regenerated")
     t0 = time.time()
     with open(out_path, "a", encoding="utf-8") as f:
         for b in range(start, len(conversations), batch_size):
             chunk = regenerate_conversations(target, tokenizer, conversations[b:b + batch_size],
                                              temperature=temperature, max_new_tokens=max_new_tokens,
-                                             batch_size=batch_size, template_kwargs=template_kwargs)
-            f.write("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in chunk))
+                                             batch_size=batch_size, template_kwargs=template_kwargs,
+                                             tools=tools[b:b + batch_size])
+            f.write("".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"
+                            for c, t in zip(chunk, tools[b:b + batch_size])))
             f.flush()
             done = b + len(chunk)
             eta = (time.time() - t0) / (done - start) * (len(conversations) - done)

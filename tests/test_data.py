@@ -126,6 +126,33 @@ def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
     assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
 
 
+def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target, tmp_path):
+    model, tokenizer = target
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "look it up",
+             "tool_calls": [{"type": "function", "id": "abcdefghi",
+                             "function": {"name": "get", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "abcdefghi", "name": "get"},
+            {"role": "assistant", "content": "old", "reasoning_content": "old reasoning", "weight": 0.5},
+            {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "old 2"}]
+    want = [dict(m) for m in chat]
+    for i in (3, 5):  # the turns after the tool result are the target's; the tool-call turn stays as it was
+        text, _ = plain_greedy(model, tokenizer, want[:i], 6)
+        want[i] = {**{k: v for k, v in want[i].items() if k != "reasoning_content"}, "content": text}
+    calls = []
+    got = D.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=6,
+                                     progress=lambda done, total: calls.append((done, total)))
+    assert got == [want], f"regenerated\n{got[0]}\nexpected\n{want}"
+    assert calls[-1] == (2, 2), f"progress {calls}: 2 turns are regenerated, the tool-call turn is not one"
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
+    src, out, logs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", []
+    src.write_text(json.dumps({"messages": chat, "tools": tools}) + "\n")
+    D.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=6, batch_size=2,
+                      template_kwargs=None, log=logs.append)
+    assert json.loads(out.read_text()) == {"messages": want, "tools": tools}, out.read_text()
+    assert any("1 assistant turns with tool calls are kept as they are" in l for l in logs), logs
+
+
 @pytest.mark.parametrize("case", ["other prompt", "not ours", "too many"])
 def test_regenerate_file_refuses_output_of_other_data(target, tmp_path, case):
     model, tokenizer = target
@@ -220,6 +247,8 @@ def test_every_assistant_turn_and_nothing_else_is_trained(name):
     eot = EOT.get(name, "<|im_end|>")
     got = loss_spans(tokenizer_for(name), MULTI)
     want = [f"a1{eot}", f"a2{eot}", f"a3{eot}"]
+    if name == "mistral":  # no generation prompt: the space before an answer is the target's; the tool turn
+        want = [f" a1{eot}", f" a2{eot} a3{eot}"]  # is not rendered, so turns a2 and a3 touch
     assert got == want, f"{name}: loss text {got}, expected each assistant turn + its end-of-turn token {want}"
 
 
@@ -264,6 +293,8 @@ def rendered_answers(chat, name):
     """What each family's template writes for each assistant turn, between header and end-of-turn."""
     if name == "llama3":
         return [m["content"].strip() for m in chat if m["role"] == "assistant"]
+    if name == "mistral":  # the target writes the space before its answer: no generation prompt holds it
+        return [" " + m["content"] for m in chat if m["role"] == "assistant"]
     if name != "qwen3":
         return [m["content"] for m in chat if m["role"] == "assistant"]
     last_user = max(i for i, m in enumerate(chat) if m["role"] == "user")
@@ -296,6 +327,10 @@ def test_property_loss_tokens_decode_to_the_rendered_answers(name):
 # reading conversations: formats and bad input
 
 CHAT = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+
+
+def call(arguments, name="f"):
+    return {"type": "function", "id": "abcdefghi", "function": {"name": name, "arguments": arguments}}
 
 
 def write(path, rows):
@@ -349,6 +384,26 @@ BAD = {  # name: (file name, rows, the message must contain)
     "not utf-8": ("8.jsonl", b'{"messages": []}\n{"messages": "caf\xe9"}\n', "8.jsonl: line 2: not UTF-8 text"),
     "no assistant turn": ("q.jsonl", [{"messages": CHAT}, {"messages": CHAT[:1]}],
                           "q.jsonl: line 2: messages: no assistant turn (roles: user)"),
+    "tool_calls not a list": ("tc.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": {"name": "f"}}]}],
+                              "tc.jsonl: line 1: messages[1].tool_calls: expected a list of tool calls, got dict"),
+    "arguments not an object": ("ta.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": [call(3)]}]}],
+                                "ta.jsonl: line 1: messages[1].tool_calls[0].function.arguments: expected an object "
+                                "or a string holding a JSON object, got int"),
+    "arguments a JSON list": ("tl.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": [call("[1]")]}]}],
+                              "tl.jsonl: line 1: messages[1].tool_calls[0].function.arguments: a JSON list; expected"),
+    "arguments not JSON": ("tj.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": [call("{x: 1}")]}]}],
+                           "tj.jsonl: line 1: messages[1].tool_calls[0].function.arguments: a string that is not JSON"),
+    "tool call without a name": ("tn.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": [{"arguments": {}}]}]}],
+                                 "tn.jsonl: line 1: messages[1].tool_calls[0].name: expected a string, got NoneType"),
+    "reasoning not a string": ("rc.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "reasoning_content": ["r"]}]}],
+                               "rc.jsonl: line 1: messages[1].reasoning_content: expected a string, got list"),
+    "two reasoning fields": ("r2.jsonl", [{"messages": [CHAT[0], {**CHAT[1], "reasoning_content": "a", "thinking": "b"}]}],
+                             "r2.jsonl: line 1: messages[1]: reasoning_content and thinking differ"),
+    "tool_call_id not a string": ("ti.jsonl", [{"messages": [CHAT[0], CHAT[1], {"role": "tool", "content": "r",
+                                                                              "tool_call_id": 7}]}],
+                                  "ti.jsonl: line 1: messages[2].tool_call_id: expected a string, got int"),
+    "tools not a list": ("tt.jsonl", [{"messages": CHAT, "tools": {"name": "f"}}],
+                         "tt.jsonl: line 1: tools: expected a list of tool definitions (objects), got dict"),
 }
 
 
@@ -368,6 +423,33 @@ def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, case):
         D.read_conversations(str(path))
     msg = str(e.value)
     assert match in msg and "\n" not in msg, f"{case}: message {msg!r} should be one line containing {match!r}"
+
+
+def test_every_message_field_reaches_the_conversation(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+    tool_turns = [{"role": "user", "content": "weather?"},
+                  {"role": "assistant", "content": None, "reasoning_content": "look it up",
+                   "tool_calls": [call('{"city": "Paris"}', "get"), call({"city": "Rome"}, "get")]},
+                  {"role": "tool", "content": "sunny", "tool_call_id": "abcdefghi", "name": "get"},
+                  {"role": "assistant", "content": [{"type": "text", "text": "sunny"}], "thinking": "easy",
+                   "weight": 1}]
+    want = [{**tool_turns[0]}, {**tool_turns[1], "content": ""}, tool_turns[2],
+            {"role": "assistant", "content": "sunny", "thinking": "easy", "weight": 1}]
+    sharegpt = [{"from": "human", "value": "weather?"}, {"from": "gpt", "value": "sunny", "reasoning": "easy"}]
+    path = write(tmp_path / "f.jsonl", [{"messages": tool_turns, "tools": [{"type": "function"}]},
+                                        {"conversations": sharegpt}])
+    got = D.located_conversations(path, "train", False, print)
+    assert [(c, t) for _, c, t in got] == [(want, [{"type": "function"}]), (
+        [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny", "reasoning": "easy"}],
+        None)], got
+    # parquet holds every struct key in every message, absent ones as None: they are not fields
+    rows = [{"messages": [{"role": "user", "content": "q"},
+                          {"role": "assistant", "content": "", "reasoning_content": "r",
+                           "tool_calls": [call('{"a": 1}')]}]}, {"messages": CHAT}]
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "t.parquet")
+    got = D.read_conversations(str(tmp_path / "t.parquet"))
+    assert got == [r["messages"] for r in rows], f"parquet read back as\n{got}"
 
 
 def test_missing_file_directory_bad_parquet_and_parquet_row(tmp_path):
@@ -396,6 +478,11 @@ def test_drop_bad_counts_and_prints_what_it_drops(tmp_path):
     assert got == [CHAT, CHAT], f"kept {got}, expected the two good rows"
     want = "d.jsonl: dropped 4 of 6 rows: 2 unknown role, 1 invalid JSON, 1 missing content (first: "
     assert len(logs) == 1 and want in logs[0] and "line 2: messages[0].role: unknown role 'bot'" in logs[0], logs
+    fields = [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": "f()"}]}, {"messages": CHAT},
+              {"messages": [CHAT[0], {**CHAT[1], "reasoning_content": 1}]}]
+    logs.clear()
+    assert D.read_conversations(write(tmp_path / "f.jsonl", fields), drop_bad=True, log=logs.append) == [CHAT]
+    assert "dropped 2 of 3 rows: 1 bad tool_calls, 1 bad reasoning_content (first: " in logs[0], logs
     with pytest.raises(ValueError, match=r"none of its 1 rows is usable \(first problem: .*line 1: messages"):
         D.read_conversations(write(tmp_path / "x.jsonl", [{"messages": CHAT[:1]}]), drop_bad=True, log=logs.append)
 
