@@ -7,7 +7,7 @@ arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -
     torchrun --nproc_per_node=8 train.py ...         # data parallel: one frozen target per rank
 
 Outputs under --out-dir: checkpoint/ (servable export, §7), resume.pt, metrics.jsonl and
-curves.png (run_files.py). A row's place in the data stream fixes its order and its anchor
+curves.png (checkpoint.py). A row's place in the data stream fixes its order and its anchor
 draws, so a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
