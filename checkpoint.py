@@ -35,11 +35,27 @@ SUPPORTED = {  # config.json fields that change what a drafter computes: any oth
 
 def checkpoint_config(c):
     """config.json of a drafter config: a Qwen3 config plus the DFlash/DFlash2 fields in dflash_config."""
-    qwen3 = {QWEN3_NAMES.get(k, k): v for k, v in dataclasses.asdict(c).items() if k not in DFLASH_FIELDS + DFLASH2_FIELDS}
-    return {"architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"], "model_type": "qwen3",
-            **qwen3, "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": False,
-            "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}, "block_size": c.block_size,
-            "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())}}
+    return {
+        "architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads,
+        "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "vocab_size": c.vocab_size,
+        "max_position_embeddings": c.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "num_target_layers": c.num_target_layers,
+        "block_size": c.block_size,
+        "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())},
+    }
 
 
 def config_fields(raw, where):
