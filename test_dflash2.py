@@ -311,7 +311,7 @@ def test_config_accepts_disabled_parts_with_unused_bad_values():
     assert not c.is_dflash2, "conv and selector off should be plain DFlash (is_dflash2 False)"
 
 
-def test_from_target_rejects():
+def test_from_target_refuses_no_mask_token_unknown_fields_and_scaled_rope():
     with pytest.raises(ValueError, match=r"needs mask_token_id"):
         DFlash2Config.from_target(target_config())
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
@@ -328,7 +328,7 @@ def test_from_target_copies_the_target_shape():
     assert got == (H, 64, 4, 2, 8, V, 4, 1e4), f"drafter shape {got} differs from the target's"
 
 
-def test_default_target_layer_ids():
+def test_default_target_layer_ids_are_the_published_choice_and_distinct_layers():
     # ALGORITHM.md §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
     got = default_target_layer_ids(36), default_target_layer_ids(36, num_features=1)
     assert got == ([1, 9, 17, 25, 33], [18]), f"36 layers: {got}, want [1, 9, 17, 25, 33] and [18]"
@@ -337,7 +337,7 @@ def test_default_target_layer_ids():
         assert len(set(ids)) == len(ids) and all(0 <= l < L for l in ids), f"L={L}: layer ids {ids}"
 
 
-def test_bad_arguments_of_the_training_functions(target, batch):
+def test_training_functions_refuse_bad_arguments(target, batch):
     with pytest.raises(ValueError, match=r"max_anchors \(0\) must be >= 1"):
         sample_anchors(batch["loss_mask"], 0)
     loss = lambda drafter=None, **kw: dflash2_loss(drafter or make_drafter(), target, **batch, anchors=ANCHORS,
@@ -357,12 +357,21 @@ def test_bad_arguments_of_the_training_functions(target, batch):
 # shapes, dtypes, and the drafter against a loop reference
 
 
-def test_shapes_and_dtypes(target, batch):
-    drafter = make_drafter(randomize=True)
-    b, N = ANCHORS.shape
+def test_context_features_read_the_hidden_state_after_each_layer(batch):
     ctx = context_features(batch["hidden_states"], LAYER_IDS)
     assert torch.equal(ctx, torch.cat([batch["hidden_states"][1], batch["hidden_states"][3]], -1)), \
         "context_features: layer id l must read hidden_states[l + 1]"
+
+
+def proposal_inputs(target, h):
+    """Slots 1..B-1 of drafter output h (b, N·B, H) as propose takes them: hidden states
+    (b·N, B-1, H) and unary logits (b·N, B-1, V), in h's dtype."""
+    return h.view(-1, B, H)[:, 1:], F.linear(h.view(-1, B, H)[:, 1:], target.lm_head.weight.to(h.dtype))
+
+
+def test_shapes_and_dtypes_of_layout_mask_drafter_and_proposals(target, batch):
+    drafter = make_drafter(randomize=True)
+    b, N = ANCHORS.shape
     ids, pos = block_layout(batch["input_ids"], ANCHORS, B, MASK_ID)
     mask = block_attention_mask(ANCHORS, batch["attention_mask"], B)
     assert ids.shape == pos.shape == (b, N * B) and ids.dtype == pos.dtype == torch.long, \
@@ -372,9 +381,8 @@ def test_shapes_and_dtypes(target, batch):
     h = drafter(*packed_inputs(target, batch))
     assert h.shape == (b, N * B, H) and h.dtype == torch.float64, f"drafter output {tuple(h.shape)} {h.dtype}"
 
-    unary = target.lm_head(h).view(b * N, B, V)[:, 1:]
+    slots_h, unary = proposal_inputs(target, h)
     anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
-    slots_h = h.view(b * N, B, H)[:, 1:]
     for temperature in (0.0, 0.8):
         path, cand, q = drafter.propose(slots_h, unary, anchor_ids, temperature)
         got = (path.shape, path.dtype, cand.shape, q.shape, q.dtype)
@@ -389,7 +397,9 @@ def test_shapes_and_dtypes(target, batch):
     assert path.shape == (b * N, B - 1) and cand.shape == q.shape == (b * N, B - 1, V), \
         f"v1 propose: path {tuple(path.shape)}, cand {tuple(cand.shape)}, q {tuple(q.shape)}; q must span all of V"
 
-    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)
+
+def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
+    loss, stats = dflash2_loss(make_drafter(randomize=True), target, **batch, anchors=ANCHORS, anchor_valid=VALID)
     assert loss.dim() == 0 and loss.dtype == torch.float64 and loss.requires_grad, \
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
@@ -399,21 +409,27 @@ def test_shapes_and_dtypes(target, batch):
     assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
         f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
 
+
+def test_bf16_drafter_drafts_in_bf16_and_keeps_the_selector_q_in_fp32(target, batch):
     bf16 = make_drafter(randomize=True).to(torch.bfloat16)
     embeds, pos, ctx, ctx_pos, mask = packed_inputs(target, batch)
     hb = bf16(embeds.bfloat16(), pos, ctx.bfloat16(), ctx_pos, mask)
     assert hb.dtype == torch.bfloat16, f"bf16 drafter returned {hb.dtype}"
-    ub = F.linear(hb.view(b * N, B, H)[:, 1:], target.lm_head.weight.bfloat16())
-    _, _, qb = bf16.propose(hb.view(b * N, B, H)[:, 1:], ub, anchor_ids, 0.8)
+    anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
+    _, _, qb = bf16.propose(*proposal_inputs(target, hb), anchor_ids, 0.8)
     assert qb.dtype == torch.float32, f"selector q must stay fp32 under a bf16 drafter, got {qb.dtype}"
 
 
-def test_expected_acceptance_length_and_gamma():
+def test_expected_acceptance_length_is_one_plus_the_leading_correct_slots():
     correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
     want = [1 + leading_run(row) for row in correct.tolist()]
     got = expected_acceptance_length(correct).tolist()
     assert got == want, f"AL {got} != 1 + leading correct slots {want}"
-    assert [default_gamma(b) for b in (8, 10, 16)] == [4.0, 5.0, 7.0], "published γ for B = 8/10/16"
+
+
+def test_default_gamma_is_the_published_value():
+    got = [default_gamma(b) for b in (8, 10, 16)]
+    assert got == [4.0, 5.0, 7.0], f"γ for B = 8/10/16 is {got}, published: [4.0, 5.0, 7.0]"
 
 
 def test_drafter_matches_loop_reference(target, batch):
@@ -438,7 +454,7 @@ def test_drafter_matches_loop_reference(target, batch):
     assert max_diff(got, want) < 1e-5, f"drafter forward differs from the loop reference by {max_diff(got, want):.3g}"
 
 
-def test_batch_rows_equal_rows_alone(target, batch):
+def test_drafter_rows_in_a_batch_equal_rows_drafted_alone(target, batch):
     drafter = make_drafter(randomize=True)
     inputs = packed_inputs(target, batch)
     with torch.no_grad():
@@ -496,7 +512,7 @@ def test_kernel_projection_layout_is_side_tap_group():
         assert not still.any(), f"row {row} (side {side}) also moved the other side"
 
 
-def test_local_conv_identity_init():
+def test_local_conv_at_init_is_the_identity():
     conv = make_drafter(conv_kernel_size=3).layers[0].attention_conv
     g = torch.Generator().manual_seed(0)
     u = torch.randn(2, 3 * B, H, generator=g, dtype=torch.float64)
@@ -565,7 +581,7 @@ def test_block_attention_mask_equals_brute_force():
     assert torch.equal(got, want), f"{(got != want).sum().item()} mask entries differ from the double loop"
 
 
-def test_sample_anchors():
+def test_sample_anchors_draws_distinct_sorted_eligible_anchors_per_seed():
     """Eligible: loss_mask[a] = 1 and a + 1 < S (§6), and loss_mask[a + 1] = 1 (the rule in
     sample_anchors' docstring: a block whose first slot is not trained on is wasted)."""
     loss_mask = torch.zeros(4, 16, dtype=torch.long)
@@ -651,7 +667,7 @@ def test_training_layout_equals_inference_path(target, batch):
 # DFlash2 at init is DFlash
 
 
-def test_fresh_dflash2_equals_dflash(target, batch):
+def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch):
     v1 = make_drafter(seed=1, conv_kernel_size=0, selector_top_k=0)
     v2 = make_drafter(seed=2, conv_kernel_size=3)
     missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
@@ -1028,17 +1044,17 @@ def test_grad_checkpoint_gives_the_same_gradients(target, batch):
     assert_same_loss(got, want, "grad_checkpoint", 1e-12)
 
 
-def test_overfits_a_fixed_batch():
+def test_drafter_overfits_a_fixed_batch():
     target = make_target(lm_head_scale=10.0)  # peaked target logits: room for the KL to fall
     batch = make_batch(target)
     anchors, valid = sample_anchors(batch["loss_mask"], 8, torch.Generator().manual_seed(0))
     drafter = make_drafter()
-    opt = torch.optim.AdamW(drafter.parameters(), lr=3e-3, weight_decay=0.0)
+    opt = torch.optim.AdamW(drafter.parameters(), lr=6e-3, weight_decay=0.0)
     losses = []
-    for _ in range(100):
+    for _ in range(50):
         loss, _ = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    assert losses[-1] < 0.3 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f} in 100 steps (want < 30%)"
+    assert losses[-1] < 0.3 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f} in 50 steps (want < 30%)"

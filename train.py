@@ -252,7 +252,7 @@ def start_ranks():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # share the cores between the ranks of this machine
+    elif world > 1:  # share the cores between the ranks of this machine
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if rank:  # downloads and tokenization show one progress bar, rank 0's
         datasets.disable_progress_bars()

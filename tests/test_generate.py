@@ -1,70 +1,28 @@
-"""Tests of dflash2's speculative decoding (§3-§5) and checkpoint I/O (§7).
+"""Tests of dflash2's speculative decoding (ALGORITHM.md §3-§5).
 
 Every check runs against an independent reference: a naive greedy loop without a cache,
 exact enumeration of one draft-verify cycle's law, the target's exact joint over all
-short continuations (chi-square), fresh prefills for the cache rollback, and the
-checkpoint contract written out from ALGORITHM.md §7. Tiny random float64 targets from
-transformers.Qwen3Config, nothing downloaded.
+short continuations (chi-square), and fresh prefills for the cache rollback. Tiny random
+float64 targets from transformers.Qwen3Config, nothing downloaded. The checkpoint tests
+(§7) are in test_checkpoint.py.
 """
 import itertools
-import json
 import math
-import os
-import pickle
-import shutil
 
 import numpy as np
 import pytest
-import safetensors
-import safetensors.torch
 import torch
-import transformers
 
-from dflash2 import (DFlash2Config, DFlash2Drafter, DraftCache, acceptance_probability, context_features,
-                     residual_distribution, spec_generate, target_generate, target_probs, verify_sampled)
+from conftest import tiny_drafter, tiny_qwen3
+from dflash2 import (DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
+                     spec_generate, target_generate, verify_sampled)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models are all per-op overhead; on a busy 2-core machine a second intra-op
-    thread makes each op wait for a core (measured: 18 ms instead of 30 us per matmul)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
-def tiny_target(vocab_size, num_layers, hidden_size, seed, lm_head_scale=1.0):
-    torch.manual_seed(seed)
-    config = transformers.Qwen3Config(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers, num_attention_heads=hidden_size // 8, num_key_value_heads=max(1, hidden_size // 16),
-        head_dim=8, max_position_embeddings=128, tie_word_embeddings=False)
-    target = transformers.Qwen3ForCausalLM(config).double().eval()
-    with torch.no_grad():
-        target.lm_head.weight.mul_(lm_head_scale)
-    return target
-
-
-def tiny_drafter(target, seed, dtype=torch.float64, **overrides):
-    """A random drafter whose DFlash2 parts are not at their identity init: the selector's
-    successor codebook is random (so q depends on the predecessor) and the convolution has
-    nonzero off-centre taps and dynamic kernels."""
-    torch.manual_seed(seed)
-    shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
-    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.startswith("candidate_selector."):
-                p.normal_(0, 1.5)
-            elif "_conv." in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return drafter.to(dtype).eval()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_target(vocab_size=32, num_layers=2, hidden_size=32, seed=0)
+    return tiny_qwen3(vocab_size=32)
 
 
 @pytest.fixture(scope="module")
@@ -112,8 +70,8 @@ def force_drafts(monkeypatch, drafter, reference, n_right):
     calls, propose = record_forward(monkeypatch, drafter), drafter.propose
     B, V = drafter.config.block_size, drafter.config.vocab_size
 
-    def forced(h, unary, anchor, temperature=0.0, generator=None):
-        path, cand, q = propose(h, unary, anchor, temperature, generator)
+    def forced(h, unary, anchor, temperature=0.0, generator=None, **filters):
+        path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
         a, j = int(calls[-1][0][1][0, 0]), n_right[(len(calls) - 1) % len(n_right)]
         assert int(anchor) == reference[a], f"anchor {int(anchor)} at position {a}, the greedy sequence has {reference[a]}"
         right = torch.tensor(reference[a + 1:a + B])
@@ -147,7 +105,8 @@ def assert_greedy_run(out, stats, expected, what):
 
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 9, MAX_NEW])
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_random_drafter_equals_target(target, drafter, greedy_reference, prompt, max_new_tokens):
+def test_greedy_spec_generate_with_a_random_drafter_equals_naive_greedy(target, drafter, greedy_reference, prompt,
+                                                                        max_new_tokens):
     expected = greedy_reference[prompt][len(prompt):len(prompt) + max_new_tokens]
     ids = torch.tensor([prompt])
     out, _ = target_generate(target, ids, max_new_tokens)
@@ -203,13 +162,13 @@ def test_acceptance_length_counts_only_committed_tokens(monkeypatch, target, dra
 
 
 def test_drafter_for_another_target_is_refused(target, drafter):
-    for what, other in (("num_target_layers", tiny_target(vocab_size=32, num_layers=3, hidden_size=32, seed=0)),
-                        ("vocab_size", tiny_target(vocab_size=24, num_layers=2, hidden_size=32, seed=0)),
-                        ("hidden_size", tiny_target(vocab_size=32, num_layers=2, hidden_size=48, seed=0))):
+    for what, other in (("num_target_layers", tiny_qwen3(vocab_size=32, num_layers=3)),
+                        ("vocab_size", tiny_qwen3(vocab_size=24)),
+                        ("hidden_size", tiny_qwen3(vocab_size=32, hidden_size=48))):
         with pytest.raises(ValueError, match=f"the drafter has {what} .* but the target has"):
             spec_generate(drafter, other, torch.tensor([[1, 2]]), 4)
     # a target whose lm_head has the drafter's vocabulary but whose embedding table is smaller than mask_token_id
-    small = tiny_target(vocab_size=32, num_layers=2, hidden_size=32, seed=0)
+    small = tiny_qwen3(vocab_size=32)
     small.model.embed_tokens = torch.nn.Embedding(20, 32).double()
     with pytest.raises(ValueError, match="mask_token_id 31 is outside the target's embedding table"):
         spec_generate(drafter, small, torch.tensor([[1, 2]]), 4)
@@ -440,12 +399,12 @@ def brute_force_probs(logits, temperature, top_p, top_k):
 @pytest.mark.parametrize("top_p", [1.0, 0.9, 0.5, 0.01])
 @pytest.mark.parametrize("top_k", [0, 1, 3, 10, 50])
 @pytest.mark.parametrize("temperature", [0.5, 1.0, 2.0])
-def test_target_probs_matches_brute_force(temperature, top_k, top_p):
+def test_sampling_probs_matches_brute_force(temperature, top_k, top_p):
     logits = torch.randn(3, 10, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 2
-    got = target_probs(logits, temperature, top_p, top_k)
+    got = sampling_probs(logits, temperature, top_p, top_k)
     want = torch.stack([brute_force_probs(row.tolist(), temperature, top_p, top_k) for row in logits])
     err = (got - want).abs().max().item()
-    assert err < 1e-12, f"target_probs(T={temperature}, top_k={top_k}, top_p={top_p}) differs from brute force by {err:.3g}"
+    assert err < 1e-12, f"sampling_probs(T={temperature}, top_k={top_k}, top_p={top_p}) differs from brute force by {err:.3g}"
 
 
 # -----------------------------------------------------------------------------
@@ -460,7 +419,7 @@ def loop_models():
     """V = 8 peaked target; drafter with B = 4 and K = 4 < V candidates, q strongly
     predecessor-conditioned, flat enough unary logits that drafts are often accepted.
     No convolution: it only shapes h, and it would cost a third of the drafter's time."""
-    target = tiny_target(vocab_size=LOOP_V, num_layers=1, hidden_size=16, seed=2, lm_head_scale=20.0)
+    target = tiny_qwen3(vocab_size=LOOP_V, hidden_size=16, num_layers=1, seed=2, lm_head_scale=20.0)
     drafter = tiny_drafter(target, seed=3, block_size=4, selector_top_k=4, conv_kernel_size=0)
     with torch.no_grad():
         drafter.norm.weight.mul_(0.3)
@@ -473,7 +432,7 @@ def exact_joint3(target, temperature, top_p, top_k):
     V = LOOP_V
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
     logits = target(torch.cat([torch.tensor([LOOP_PROMPT]).expand(len(pairs), -1), pairs], 1)).logits[:, -3:]
-    p = target_probs(logits, temperature, top_p, top_k)                           # (V^2, 3, V)
+    p = sampling_probs(logits, temperature, top_p, top_k)                           # (V^2, 3, V)
     x1, x2 = pairs[:, 0], pairs[:, 1]
     rows = torch.arange(len(pairs))
     return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)
@@ -492,8 +451,8 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
     if q_kind == "unary top-K":
         propose = drafter.propose
 
-        def wrong_q(h, unary, anchor, temperature=0.0, generator=None):
-            path, cand, q = propose(h, unary, anchor, temperature, generator)
+        def wrong_q(h, unary, anchor, temperature=0.0, generator=None, **filters):
+            path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
             return path, cand, torch.softmax(unary.gather(-1, cand) / temperature, -1)
         monkeypatch.setattr(drafter, "propose", wrong_q)
     g, counts, first_cycle = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), []
@@ -577,7 +536,7 @@ def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_referen
     (dict(temperature=1.0, top_p=1.5), "top_p"),
     (dict(temperature=1.0, top_k=-1), "top_k")])
 @pytest.mark.parametrize("generate", ["target_generate", "spec_generate"])
-def test_generation_arguments_are_checked(target, drafter, generate, kwargs, match):
+def test_bad_generation_arguments_are_refused(target, drafter, generate, kwargs, match):
     args = {"input_ids": torch.tensor([[1, 2]]), "max_new_tokens": 4, **kwargs}
     with pytest.raises(ValueError, match=match):
         if generate == "target_generate":
@@ -601,305 +560,3 @@ def test_generator_reproduces_sampling_without_the_global_rng(target, drafter, g
         f"{generate}, same generator seed, different global seeds: {a.tolist()} vs {b.tolist()}")
     others = {tuple(run(torch.Generator().manual_seed(s))[0].tolist()) for s in range(4)}
     assert len(others) > 1, f"{generate}: four generator seeds gave the same sample {others}: is the generator used?"
-
-
-# -----------------------------------------------------------------------------
-# checkpoints (§7)
-
-
-# ALGORITHM.md §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
-# 2 draft layers, 4 heads / 2 KV heads of 8, V = 32, Kc = 2, G = 8, R = 4.
-def spec_tensor_shapes(dflash2):
-    H, I, n, L, nh, nkv, hd, V, Kc, G, R = 32, 64, 2, 2, 4, 2, 8, 32, 2, 8, 4
-    shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
-    for i in range(L):
-        shapes.update({
-            f"layers.{i}.input_layernorm.weight": (H,), f"layers.{i}.post_attention_layernorm.weight": (H,),
-            f"layers.{i}.self_attn.q_proj.weight": (nh * hd, H), f"layers.{i}.self_attn.k_proj.weight": (nkv * hd, H),
-            f"layers.{i}.self_attn.v_proj.weight": (nkv * hd, H), f"layers.{i}.self_attn.o_proj.weight": (H, nh * hd),
-            f"layers.{i}.self_attn.q_norm.weight": (hd,), f"layers.{i}.self_attn.k_norm.weight": (hd,),
-            f"layers.{i}.mlp.gate_proj.weight": (I, H), f"layers.{i}.mlp.up_proj.weight": (I, H),
-            f"layers.{i}.mlp.down_proj.weight": (H, I)})
-        if dflash2:
-            for conv in ("attention_conv", "mlp_conv"):
-                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, Kc, H)
-                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * Kc * H // G, H)
-    if dflash2:
-        shapes.update({"candidate_selector.hidden_projection.weight": (R, H),
-                       "candidate_selector.predecessor_codebook": (V, R),
-                       "candidate_selector.successor_codebook": (V, R)})
-    return shapes
-
-
-SPEC_CONFIG_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                    "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
-                    "tie_word_embeddings", "architectures", "num_target_layers", "block_size", "dflash_config"}
-SPEC_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size", "conv_group_size",
-                    "selector_rank", "selector_top_k"}
-
-
-def checkpoint_drafter(target, **overrides):
-    """float32, 2 layers, and every parameter random, so no tensor can hide behind its init."""
-    shape = dict(num_layers=2, block_size=5, target_layer_ids=[0, 1], selector_top_k=4)
-    drafter = tiny_drafter(target, seed=4, dtype=torch.float32, **{**shape, **overrides})
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.add_(0.1 * torch.randn_like(p))
-    return drafter
-
-
-def draft_inputs(drafter, target, seed=5):
-    g = torch.Generator().manual_seed(seed)
-    B, S = drafter.config.block_size, 7
-    block = torch.randint(0, target.config.vocab_size, (1, B), generator=g)
-    with torch.no_grad():
-        hs = target(torch.randint(0, target.config.vocab_size, (1, S), generator=g), output_hidden_states=True).hidden_states
-    ctx = context_features(hs, drafter.config.target_layer_ids).float()
-    return target.get_input_embeddings()(block).float(), torch.arange(S, S + B)[None], ctx, torch.arange(S)[None], block[:, 0]
-
-
-@torch.no_grad()
-def drafts(drafter, target, inputs, temperature):
-    """Hidden states and the proposal (path, cand, q) of one draft pass."""
-    *forward_args, anchor = inputs
-    h = drafter(*forward_args)[:, 1:]
-    unary = target.get_output_embeddings()(h.double()).float()
-    return (h, *drafter.propose(h, unary, anchor, temperature, torch.Generator().manual_seed(0)))
-
-
-def assert_same_drafts(a, b, what):
-    for name, x, y in zip(("hidden states", "path", "candidates", "q"), a, b):
-        assert torch.equal(x, y), f"{what}: {name} differ (max |diff| {(x.double() - y.double()).abs().max().item():.3g})"
-
-
-def tensor_shapes(path):
-    with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
-        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, {f.get_slice(k).get_dtype() for k in f.keys()}
-
-
-def assert_tensor_contract(path, dflash2):
-    shapes, _ = tensor_shapes(path)
-    spec = spec_tensor_shapes(dflash2)
-    assert shapes == spec, (f"tensors: missing {sorted(set(spec) - set(shapes))}, unexpected {sorted(set(shapes) - set(spec))}, "
-                            f"mis-shaped {sorted(f'{k} {shapes[k]} != {spec[k]}' for k in spec if k in shapes and shapes[k] != spec[k])}")
-
-
-def test_checkpoint_round_trip_and_contract(tmp_path, target):
-    drafter = checkpoint_drafter(target)
-    path = tmp_path / "ckpt"
-    drafter.save_pretrained(path, dtype=torch.float32)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(path)) == ["config.json", "model.safetensors"], (
-        f"export left {sorted(os.listdir(tmp_path))}, holding {sorted(os.listdir(path))}")
-
-    assert_tensor_contract(path, dflash2=True)
-    dtypes = tensor_shapes(path)[1]
-    assert dtypes == {"F32"}, f"fp32 export holds {dtypes}"
-
-    config = json.loads((path / "config.json").read_text())
-    assert SPEC_CONFIG_KEYS <= set(config) and ({"rope_theta", "rope_parameters"} & set(config)), (
-        f"config.json lacks {sorted(SPEC_CONFIG_KEYS - set(config))} or both rope_theta and rope_parameters")
-    # anything else must be a field a Qwen3 config has (torch_dtype: the spelling transformers < 5 wrote)
-    qwen3_keys = set(transformers.Qwen3Config().to_dict()) | {"rope_theta", "torch_dtype"}
-    assert set(config) - SPEC_CONFIG_KEYS <= qwen3_keys, f"config.json keys outside SPEC and Qwen3: {sorted(set(config) - SPEC_CONFIG_KEYS - qwen3_keys)}"
-    assert set(config["dflash_config"]) == SPEC_DFLASH_KEYS, f"dflash_config keys {sorted(config['dflash_config'])}"
-    want = dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=32, intermediate_size=64,
-                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=32,
-                tie_word_embeddings=False, num_target_layers=2, block_size=5)
-    got = {k: config[k] for k in want}
-    assert got == want, f"config.json {got} != {want}"
-    want_dflash = dict(block_size=5, mask_token_id=31, target_layer_ids=[0, 1], conv_kernel_size=2, conv_group_size=8,
-                       selector_rank=4, selector_top_k=4)
-    assert config["dflash_config"] == want_dflash, f"dflash_config {config['dflash_config']} != {want_dflash}"
-    qwen3 = transformers.Qwen3Config.from_pretrained(path)
-    assert (qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.rope_parameters["rope_theta"]) == (32, 2, drafter.config.rope_theta), (
-        f"transformers reads config.json as {qwen3}")
-
-    loaded = DFlash2Drafter.from_pretrained(path)
-    assert loaded.config == drafter.config, f"config after the round trip {loaded.config} != {drafter.config}"
-    inputs = draft_inputs(drafter, target)
-    for temperature in (0.0, 1.0):
-        assert_same_drafts(drafts(loaded, target, inputs, temperature), drafts(drafter, target, inputs, temperature),
-                           f"fp32 round trip, T={temperature}")
-
-
-def test_checkpoint_bf16_by_default(tmp_path, target):
-    drafter = checkpoint_drafter(target)
-    drafter.save_pretrained(tmp_path / "ckpt")
-    dtypes = tensor_shapes(tmp_path / "ckpt")[1]
-    assert dtypes == {"BF16"}, f"default export holds {dtypes}, not bf16"
-    assert transformers.Qwen3Config.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16, "config.json does not say bfloat16"
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt").state_dict()
-    for k, v in drafter.state_dict().items():
-        assert torch.equal(loaded[k], v.bfloat16().float()), f"{k} is not the bf16 rounding of the saved tensor"
-
-
-@pytest.mark.parametrize("part_off", ["conv_kernel_size", "selector_top_k"])
-def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_path, target, part_off):
-    """Engines build both parts for DFlash2DraftModel: the missing one is exported as the
-    exact identity, so the reloaded full DFlash2 drafter drafts the same greedy tokens."""
-    drafter = checkpoint_drafter(target, **{part_off: 0})
-    drafter.save_pretrained(tmp_path / "ckpt", dtype=torch.float32)
-    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert config["architectures"] == ["DFlash2DraftModel"], f"{part_off}=0 exported as {config['architectures']}"
-    assert config["dflash_config"]["conv_kernel_size"] > 0 and config["dflash_config"]["selector_top_k"] > 0, (
-        f"{part_off}=0 exported dflash_config {config['dflash_config']}")
-    assert_tensor_contract(tmp_path / "ckpt", dflash2=True)
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt")
-    inputs = draft_inputs(drafter, target)
-    (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(loaded, target, inputs, 0.0)
-    assert torch.equal(h1, h0), f"{part_off}=0: hidden states after reload differ by {(h1 - h0).abs().max():.3g}"
-    assert torch.equal(path1, path0), f"{part_off}=0: greedy drafts {path1.tolist()} != {path0.tolist()} before export"
-
-
-def test_export_is_readable_by_other_users(tmp_path, target):
-    old = os.umask(0o077)
-    try:
-        checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
-    finally:
-        os.umask(old)
-    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").iterdir()]}
-    assert modes == {"ckpt": "0o755", "config.json": "0o644", "model.safetensors": "0o644"}, f"modes {modes}"
-
-
-UNSUPPORTED = {"output_multiplier": 2.0, "final_logit_softcapping": 30.0, "input_embedding_scale": 4.0,
-               "layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "is_causal": True,
-               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "hidden_act": "gelu",
-               "attention_bias": True}
-
-
-@pytest.mark.parametrize("field", UNSUPPORTED)
-def test_checkpoint_fields_this_file_does_not_implement_are_refused(tmp_path, saved_checkpoint, field):
-    path = tmp_path / "ckpt"
-    shutil.copytree(saved_checkpoint, path)
-    edit_config(path, lambda c: c.update({field: UNSUPPORTED[field]}))
-    with pytest.raises(ValueError, match=f"{field} = .* is not supported"):
-        DFlash2Drafter.from_pretrained(path)
-
-
-def test_checkpoint_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
-    path = tmp_path / "ckpt"
-    shutil.copytree(saved_checkpoint, path)
-    plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
-             "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
-    edit_config(path, lambda c: c.update(plain))
-    DFlash2Drafter.from_pretrained(path)
-
-
-def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
-    v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
-    v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
-    config = json.loads((tmp_path / "v1" / "config.json").read_text())
-    assert config["architectures"] == ["DFlashDraftModel"], f"v1 architectures {config['architectures']}"
-    off = {k: config["dflash_config"][k] for k in ("conv_kernel_size", "selector_top_k") if k in config["dflash_config"]}
-    assert {"block_size", "mask_token_id", "target_layer_ids"} <= set(config["dflash_config"]) <= SPEC_DFLASH_KEYS \
-        and not any(off.values()), f"v1 dflash_config {config['dflash_config']}"
-    assert_tensor_contract(tmp_path / "v1", dflash2=False)
-
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "v1")
-    assert not loaded.config.is_dflash2 and loaded.candidate_selector is None, f"v1 loaded as {loaded.config}"
-    warm = DFlash2Drafter.from_pretrained(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
-    assert warm.config.is_dflash2 and warm.layers[0].attention_conv is not None, f"warm start built {warm.config}"
-    inputs = draft_inputs(v1, target)
-    reference = drafts(v1, target, inputs, 0.0)
-    assert_same_drafts(drafts(loaded, target, inputs, 0.0), reference, "v1 round trip")
-    h, path = drafts(warm, target, inputs, 0.0)[:2]
-    assert torch.equal(h, reference[0]), f"warm-started hidden states differ by {(h - reference[0]).abs().max().item():.3g}"
-    assert torch.equal(path, reference[1]), f"warm-started greedy proposal {path.tolist()} != v1's {reference[1].tolist()}"
-    # lossless decoding makes both outputs the target's greedy text: the acceptance lengths show the proposals agree
-    prompt = torch.tensor([PROMPTS[2]])
-    (out_v1, stats_v1), (out_warm, stats_warm) = (spec_generate(d, target, prompt, MAX_NEW) for d in (loaded, warm))
-    assert out_warm.tolist() == out_v1.tolist() and stats_warm.acceptance_lengths == stats_v1.acceptance_lengths, (
-        f"warm start: {out_warm.tolist()} with acceptance lengths {stats_warm.acceptance_lengths}, "
-        f"v1: {out_v1.tolist()} with {stats_v1.acceptance_lengths}")
-
-
-class Payload:
-    """Unpickling this creates a marker file: proof that a loader ran pickle."""
-
-    def __init__(self, marker):
-        self.marker = marker
-
-    def __reduce__(self):
-        return open, (self.marker, "w")
-
-
-def edit_config(path, edit):
-    config = json.loads((path / "config.json").read_text())
-    edit(config)
-    (path / "config.json").write_text(json.dumps(config))
-
-
-def edit_tensors(path, edit):
-    tensors = safetensors.torch.load_file(path / "model.safetensors")
-    edit(tensors)
-    safetensors.torch.save_file(tensors, path / "model.safetensors")
-
-
-MALFORMED = {
-    "missing config.json": (lambda p: os.remove(p / "config.json"), "config.json not found"),
-    "missing model.safetensors": (lambda p: os.remove(p / "model.safetensors"), "model.safetensors not found"),
-    "wrong architectures": (lambda p: edit_config(p, lambda c: c.update(architectures=["Qwen3ForCausalLM"])), "architectures"),
-    "config lacks hidden_size": (lambda p: edit_config(p, lambda c: c.pop("hidden_size")), "hidden_size"),
-    "config lacks mask_token_id": (lambda p: edit_config(p, lambda c: c["dflash_config"].pop("mask_token_id")), "mask_token_id"),
-    "missing tensor": (lambda p: edit_tensors(p, lambda t: t.pop("norm.weight")), r"missing \['norm.weight'\]"),
-    "missing DFlash2 tensor": (lambda p: edit_tensors(p, lambda t: t.pop("candidate_selector.successor_codebook")),
-                               r"missing \['candidate_selector.successor_codebook'\]"),  # only a v1 checkpoint may lack it
-    "unexpected tensor": (lambda p: edit_tensors(p, lambda t: t.update({"lm_head.weight": torch.zeros(32, 32)})),
-                          r"unexpected \['lm_head.weight'\]"),
-    "mis-shaped tensor": (lambda p: edit_tensors(p, lambda t: t.update({"fc.weight": t["fc.weight"][:, :32].contiguous()})),
-                          r"mis-shaped \['fc.weight \(32, 32\) != \(32, 64\)'\]"),
-}
-
-
-@pytest.fixture(scope="module")
-def saved_checkpoint(tmp_path_factory, target):
-    path = tmp_path_factory.mktemp("saved") / "ckpt"
-    checkpoint_drafter(target).save_pretrained(path, dtype=torch.float32)
-    return path
-
-
-@pytest.mark.parametrize("case", MALFORMED)
-def test_malformed_checkpoint_raises(tmp_path, saved_checkpoint, case):
-    corrupt, match = MALFORMED[case]
-    path = tmp_path / "ckpt"
-    shutil.copytree(saved_checkpoint, path)
-    corrupt(path)
-    with pytest.raises(ValueError, match=match):
-        DFlash2Drafter.from_pretrained(path)
-
-
-def test_pickled_weights_are_never_unpickled(tmp_path, saved_checkpoint):
-    pickle.loads(pickle.dumps(Payload(str(tmp_path / "armed"))))
-    assert (tmp_path / "armed").exists(), "the payload does not fire when unpickled: this test could not fail"
-    path, marker = tmp_path / "ckpt", tmp_path / "unpickled"
-    shutil.copytree(saved_checkpoint, path)
-    with open(path / "model.safetensors", "wb") as f:
-        pickle.dump({"fc.weight": Payload(str(marker))}, f)
-    with pytest.raises(ValueError, match="not a readable safetensors file"):
-        DFlash2Drafter.from_pretrained(path)
-    assert not marker.exists(), "loading a checkpoint ran pickle"
-
-
-def boom(*args, **kwargs):
-    raise OSError("disk full")
-
-
-def half_written_json(obj, f, **kwargs):
-    f.write('{"architectures": ')
-    raise OSError("disk full")
-
-
-@pytest.mark.parametrize("crash", ["safetensors.torch.save_file", "json.dump"])
-@pytest.mark.parametrize("existing", [False, True])
-def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, saved_checkpoint, target, crash, existing):
-    path = tmp_path / "ckpt"
-    if existing:
-        shutil.copytree(saved_checkpoint, path)
-    before = {f: (path / f).read_bytes() for f in os.listdir(path)} if existing else None
-    monkeypatch.setattr(crash, boom if crash.startswith("safetensors") else half_written_json)
-    with pytest.raises(OSError, match="disk full"):
-        checkpoint_drafter(target).save_pretrained(path)
-    assert sorted(os.listdir(tmp_path)) == (["ckpt"] if existing else []), f"a crash in {crash} left {sorted(os.listdir(tmp_path))}"
-    if existing:
-        after = {f: (path / f).read_bytes() for f in os.listdir(path)}
-        assert after == before, f"a crash in {crash} changed the older checkpoint: files {sorted(after)} vs {sorted(before)}"

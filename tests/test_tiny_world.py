@@ -1,11 +1,14 @@
 """Tests of the offline tiny world: tokenizer, quality measure, the cached on-policy build."""
+import functools
 import json
 import random
 
 import pytest
+import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import tiny_world as W
+from conftest import tiny_qwen3
 from dflash2 import target_generate
 
 
@@ -49,7 +52,19 @@ def test_repeated_line_share_counts_repeats_within_a_text():
     assert W.repeated_line_share(texts) == 2 / 6, "two of six non-blank lines repeat an earlier line of their text"
 
 
-def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
+@pytest.fixture
+def small_build(monkeypatch):
+    """The world built from 120 stdlib conversations, 8 of them held out, instead of all of
+    them (7000+) and 256, and pretrained on 2 windows of 64 tokens a step instead of 8 of 256:
+    nothing these tests check depends on those sizes, and at full size they are nearly all of
+    a build's time (tokenizing the library, a step, measuring the held-out conversations)."""
+    convs, pretrain = W.stdlib_conversations(chunk_chars=600)[:120], W.pretrain_tiny_target
+    monkeypatch.setattr(W, "stdlib_conversations", lambda **kw: convs)
+    monkeypatch.setattr(W, "TINY_HELD_OUT", 8)
+    monkeypatch.setattr(W, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
+
+
+def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
     logs = []
     target, data = W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
     model, tok = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
@@ -72,17 +87,18 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-4prompts"], "a temporary folder was left behind"
 
 
-def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch):
+def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch, small_build):
     """Another process finishes while this one builds: its world stays, ours is dropped."""
     world = tmp_path / "stdlib-v2-1steps-2prompts"
-    real, convs = W.regenerate_conversations, W.stdlib_conversations(chunk_chars=600)[:W.TINY_HELD_OUT + 20]
+    real = W.regenerate_conversations
 
     def finish_elsewhere(*a, **k):
         (world / "target").mkdir(parents=True)
         (world / "marker").write_text("theirs")
         return real(*a, **k)
     monkeypatch.setattr(W, "regenerate_conversations", finish_elsewhere)
-    monkeypatch.setattr(W, "stdlib_conversations", lambda **k: convs)  # a smaller corpus: the race is the point
+    monkeypatch.setattr(W, "pretrain_tiny_target", lambda tokenizer, *a, **k: tiny_qwen3(  # any target: the race is the point
+        len(tokenizer), dtype=torch.float32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
     target, _ = W.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=1)
     assert target == str(world / "target") and (world / "marker").read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == [world.name], "a temporary folder was left behind"

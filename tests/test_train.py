@@ -1,18 +1,22 @@
 """End-to-end tests of train.py on a tiny random Qwen3 target; no downloads, CPU only."""
+import contextlib
+import io
 import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
-import tiny_world as W
 import checkpoint as R
+import tiny_world as W
 import train as T
+from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -20,13 +24,10 @@ CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
                 {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
 
 
-def tiny_target(path, tokenizer, hidden=64):
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
-                      num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                      max_position_embeddings=512, tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-                      eos_token_id=tokenizer.eos_token_id)
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
+def save_tiny_target(path, tokenizer):
+    """A random float32 Qwen3 for `tokenizer` (4 layers, hidden 64) and the tokenizer, saved as a model folder."""
+    tiny_qwen3(len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32, tie_word_embeddings=True,
+               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
 
@@ -40,7 +41,7 @@ def write_jsonl(path, rows):
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
     convs = W.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
-    return {"root": root, "target": tiny_target(root / "target", W.build_tiny_tokenizer()),
+    return {"root": root, "target": save_tiny_target(root / "target", W.build_tiny_tokenizer()),
             "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
@@ -55,18 +56,30 @@ def args_for(world, out, *extra, data=None):
     return T.parse_args(flags(world, out, *extra, data=data))
 
 
-def test_smoke_run_writes_loadable_checkpoint(world, tmp_path, capsys):
-    summary = T.train(args_for(world, tmp_path / "out", "--steps", "3"))
-    assert len(summary["losses"]) == 3 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
-    drafter = DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint")
+@pytest.fixture(scope="module")
+def reference_run(world, tmp_path_factory):
+    """One run of 4 steps, checkpointing every 2, that several tests read instead of each
+    training its own: the smoke test, the resume tests and the data-parallel comparison.
+    -> its out dir, the summary train() returns, and what it printed."""
+    out, printed = tmp_path_factory.mktemp("reference") / "out", io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        summary = T.train(args_for(world, out, "--steps", "4", "--save-every", "2"))
+    return {"out": out, "summary": summary, "printed": printed.getvalue()}
+
+
+def test_smoke_run_logs_records_and_exports_a_loadable_checkpoint(reference_run):
+    summary, out = reference_run["summary"], reference_run["out"]
+    assert len(summary["losses"]) == 4 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
+    drafter = DFlash2Drafter.from_pretrained(out / "checkpoint")
     assert drafter.config.hidden_size == 64 and drafter.config.selector_top_k == 16, drafter.config
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, f"acceptance lengths {summary['al_t0']}, {summary['al_t1']}"
-    out = capsys.readouterr().out
-    assert "step     3/3 | loss " in out and "temperature   mean AL" in out, out
-    record = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["step"]) for r in record] == [("train", 1), ("train", 2), ("train", 3), ("eval", 3)], record
+    printed = reference_run["printed"]
+    assert "step     4/4 | loss " in printed and "temperature   mean AL" in printed, printed
+    record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["kind"], r["step"]) for r in record] == [("train", 1), ("train", 2), ("train", 3), ("train", 4),
+                                                        ("eval", 4)], record
     assert record[-1]["al_t0"] == summary["al_t0"] and len(record[0]["slot_acc"]) == 7, record[-1]
-    assert (tmp_path / "out" / "curves.png").stat().st_size > 1000, "curves.png was not written"
+    assert (out / "curves.png").stat().st_size > 1000, "curves.png was not written"
 
 
 @pytest.mark.parametrize("generation_tag", [True, False])
@@ -84,8 +97,8 @@ def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
     assert got == want, f"masked tokens decode to {got!r}, expected the assistant turn {want!r}"
 
 
-def test_resume_repeats_the_uninterrupted_run(world, tmp_path, monkeypatch):
-    straight = T.train(args_for(world, tmp_path / "a", "--steps", "4", "--save-every", "2"))["losses"]
+def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, monkeypatch):
+    straight = reference_run["summary"]["losses"]  # 4 steps, a checkpoint every 2
     save = T.save_checkpoint
 
     def save_then_die(*a, **k):  # a kill right after the step-2 checkpoint
@@ -128,21 +141,34 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
 
 
-def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, tmp_path):
-    """DistributedDataParallel: 2 ranks x batch 1 make the same updates as 1 rank x batch 2
-    (the loss is normalised by the weights of the whole global batch), and the replicas
-    end identical."""
+def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference_run, tmp_path):
+    """DistributedDataParallel: 2 ranks x batch 1 make the same updates and log the same losses
+    as 1 rank x batch 2 (the reference run: the loss is normalised by the weights of the whole
+    global batch), and the replicas end identical."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "ddp", "--steps", "2", "--batch-size", "1")]
+           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "replicas agree: parameter checksum" in run.stdout and "on 2 ranks" in run.stdout, run.stdout[-3000:]
-    T.train(args_for(world, tmp_path / "one", "--steps", "2", "--batch-size", "2"))
-    ddp, one = (torch.load(tmp_path / d / "resume.pt", weights_only=True)["model"] for d in ("ddp", "one"))
+    # Tolerances. Both runs do the same float32 arithmetic in another order (two rows in one
+    # batch, or one per rank and an all-reduce), so their gradients agree to rounding only:
+    # 2^-24 per operation, more where many terms nearly cancel. AdamW steps every entry by
+    # about lr whatever its gradient's size, so a step inherits its entry's *relative* rounding
+    # error; the successor codebook starts at 0 and holds nothing but such steps (the runs end
+    # ~1e-5 of its largest entry apart): 1e-3 leaves 100x room. A wrong normalisation is no
+    # rounding: each rank dividing by its own Σw instead of the ranks' mean reweights the rows
+    # and moves entries by whole steps (~1 of the largest entry). The gradient's overall scale,
+    # which AdamW cancels, shows in the logged loss: a float32 sum of a few hundred terms, far
+    # inside 1e-4 when right.
+    ddp, one = (torch.load(d / "resume.pt", weights_only=True)["model"] for d in (tmp_path / "ddp", reference_run["out"]))
     for k, v in one.items():
         err = (ddp[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
-        assert err < 1e-5, f"{k}: 2 ranks x batch 1 and 1 rank x batch 2 differ by {err:.3g} (relative)"
+        assert err < 1e-3, f"{k}: 2 ranks x batch 1 and 1 rank x batch 2 differ by {err:.3g} of its largest entry"
+    ddp_loss, one_loss = ({r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
+                           if r["kind"] == "train"} for d in (tmp_path / "ddp", reference_run["out"]))
+    assert ddp_loss.keys() == one_loss.keys() and all(abs(ddp_loss[s] - one_loss[s]) < 1e-4 * one_loss[s] for s in one_loss), \
+        f"logged losses per step: 2 ranks x batch 1 {ddp_loss}, 1 rank x batch 2 {one_loss}"
 
 
 def other_width_checkpoint(path):
@@ -153,7 +179,7 @@ def other_width_checkpoint(path):
 
 
 @pytest.mark.parametrize("case", ["missing data", "no assistant", "mask id", "layer ids", "init width", "out dir"])
-def test_bad_input_fails_before_writing(world, tmp_path, case):
+def test_bad_input_is_refused_before_the_out_dir_is_created(world, tmp_path, case):
     out, extra, data = tmp_path / "out", [], None
     if case == "missing data":
         data, match = str(tmp_path / "nope.jsonl"), "no such file"
@@ -229,18 +255,18 @@ def test_script_bad_input_exits_with_one_line(world, tmp_path):
 
 
 @pytest.mark.parametrize("change", ["steps", "seq-len", "target", "layers"])
-def test_resume_refuses_another_run(world, tmp_path, change):
-    T.train(args_for(world, tmp_path / "out", "--steps", "2"))
-    extra, match = ["--steps", "2", "--resume"], None
+def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
+    shutil.copytree(reference_run["out"], tmp_path / "out")
+    extra, match = ["--steps", "4", "--resume"], None
     if change == "steps":
-        extra, match = ["--steps", "3", "--resume"], r"schedule: saved steps 2 != now 3"
+        extra, match = ["--steps", "5", "--resume"], r"schedule: saved steps 4 != now 5"
     elif change == "seq-len":
         extra, match = extra + ["--seq-len", "160"], r"seq_len: saved 192 != now 160"
     elif change == "layers":
         extra, match = extra + ["--num-layers", "3"], r"drafter: saved num_layers 2 != now 3"
     args = args_for(world, tmp_path / "out", *extra)
     if change == "target":  # same shape, other weights
-        other = tiny_target(tmp_path / "other", W.build_tiny_tokenizer())
+        other = save_tiny_target(tmp_path / "other", W.build_tiny_tokenizer())
         with torch.no_grad():
             model = AutoModelForCausalLM.from_pretrained(other)
             model.lm_head.weight.add_(1.0)

@@ -1,0 +1,54 @@
+"""Shared builders and fixtures of the tests in this folder: tiny random Qwen3 targets built
+from a transformers config (nothing downloaded), random DFlash2 drafters for them, and the
+single-thread fixture that tiny models need on a busy CPU."""
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash2 import DFlash2Config, DFlash2Drafter
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models are all per-op overhead: on a busy 2-core machine a second intra-op thread
+    makes each op wait for a core (measured: 18 ms instead of 30 us per matmul). A module
+    opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny_qwen3(vocab_size, hidden_size=32, num_layers=2, head_dim=8, seed=0, dtype=torch.float64,
+               lm_head_scale=1.0, **config):
+    """A random Qwen3ForCausalLM, frozen and in eval mode: hidden_size // head_dim query heads,
+    half as many KV heads, MLP width 2 * hidden_size, an lm_head of its own. `config` sets any
+    other Qwen3Config field or overrides these (tie_word_embeddings, pad_token_id,
+    initializer_range, ...). lm_head_scale > 1 sharpens the next-token distributions.
+    float64 by default, so that cached, batched and plain forwards agree far below any
+    tolerance a test sets."""
+    torch.manual_seed(seed)
+    heads = hidden_size // head_dim
+    shape = dict(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                 num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
+                 head_dim=head_dim, max_position_embeddings=512, tie_word_embeddings=False)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**shape, **config})).to(dtype).eval().requires_grad_(False)
+    model.lm_head.weight.mul_(lm_head_scale)
+    return model
+
+
+def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
+    """A random drafter for `target` (1 layer, mask token V - 1 unless overridden) whose DFlash2
+    parts are off their identity init: the selector's codebooks and projection are random (so
+    q depends on the predecessor) and the convolution has nonzero off-centre taps and dynamic
+    kernels."""
+    torch.manual_seed(seed)
+    shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
+    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.startswith("candidate_selector."):
+                p.normal_(0, 1.5)
+            elif "_conv." in name:
+                p.add_(0.3 * torch.randn_like(p))
+    return drafter.to(dtype).eval()

@@ -1,0 +1,337 @@
+"""Tests of dflash2's checkpoint I/O (ALGORITHM.md §7): DFlash2Drafter.save_pretrained and
+from_pretrained against the contract written out from §7 (tensor names and shapes, config.json
+keys), round trips that draft the same tokens, the export dtype, exports of drafters with a part
+off, DFlash (v1) checkpoints and the warm start from them, and what the loader refuses: fields
+dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
+nothing half-written. Tiny random targets from transformers.Qwen3Config, nothing downloaded.
+"""
+import json
+import os
+import pickle
+import shutil
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import transformers
+
+from conftest import tiny_drafter, tiny_qwen3
+from dflash2 import DFlash2Drafter, context_features, spec_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_qwen3(vocab_size=32)
+
+
+# ALGORITHM.md §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
+# 2 draft layers, 4 heads / 2 KV heads of 8, V = 32, Kc = 2, G = 8, R = 4.
+def spec_tensor_shapes(dflash2):
+    H, I, n, L, nh, nkv, hd, V, Kc, G, R = 32, 64, 2, 2, 4, 2, 8, 32, 2, 8, 4
+    shapes = {"fc.weight": (H, n * H), "hidden_norm.weight": (H,), "norm.weight": (H,)}
+    for i in range(L):
+        shapes.update({
+            f"layers.{i}.input_layernorm.weight": (H,), f"layers.{i}.post_attention_layernorm.weight": (H,),
+            f"layers.{i}.self_attn.q_proj.weight": (nh * hd, H), f"layers.{i}.self_attn.k_proj.weight": (nkv * hd, H),
+            f"layers.{i}.self_attn.v_proj.weight": (nkv * hd, H), f"layers.{i}.self_attn.o_proj.weight": (H, nh * hd),
+            f"layers.{i}.self_attn.q_norm.weight": (hd,), f"layers.{i}.self_attn.k_norm.weight": (hd,),
+            f"layers.{i}.mlp.gate_proj.weight": (I, H), f"layers.{i}.mlp.up_proj.weight": (I, H),
+            f"layers.{i}.mlp.down_proj.weight": (H, I)})
+        if dflash2:
+            for conv in ("attention_conv", "mlp_conv"):
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, Kc, H)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * Kc * H // G, H)
+    if dflash2:
+        shapes.update({"candidate_selector.hidden_projection.weight": (R, H),
+                       "candidate_selector.predecessor_codebook": (V, R),
+                       "candidate_selector.successor_codebook": (V, R)})
+    return shapes
+
+
+SPEC_CONFIG_KEYS = {"model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+                    "tie_word_embeddings", "architectures", "num_target_layers", "block_size", "dflash_config"}
+SPEC_DFLASH_KEYS = {"block_size", "mask_token_id", "target_layer_ids", "conv_kernel_size", "conv_group_size",
+                    "selector_rank", "selector_top_k"}
+
+
+def checkpoint_drafter(target, **overrides):
+    """float32, 2 layers, and every parameter random, so no tensor can hide behind its init."""
+    shape = dict(num_layers=2, block_size=5, target_layer_ids=[0, 1], selector_top_k=4)
+    drafter = tiny_drafter(target, seed=4, dtype=torch.float32, **{**shape, **overrides})
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def saved_checkpoint(tmp_path_factory, target):
+    path = tmp_path_factory.mktemp("saved") / "ckpt"
+    checkpoint_drafter(target).save_pretrained(path, dtype=torch.float32)
+    return path
+
+
+def draft_inputs(drafter, target, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    B, S = drafter.config.block_size, 7
+    block = torch.randint(0, target.config.vocab_size, (1, B), generator=g)
+    with torch.no_grad():
+        hs = target(torch.randint(0, target.config.vocab_size, (1, S), generator=g), output_hidden_states=True).hidden_states
+    ctx = context_features(hs, drafter.config.target_layer_ids).float()
+    return target.get_input_embeddings()(block).float(), torch.arange(S, S + B)[None], ctx, torch.arange(S)[None], block[:, 0]
+
+
+@torch.no_grad()
+def drafts(drafter, target, inputs, temperature):
+    """Hidden states and the proposal (path, cand, q) of one draft pass."""
+    *forward_args, anchor = inputs
+    h = drafter(*forward_args)[:, 1:]
+    unary = target.get_output_embeddings()(h.double()).float()
+    return (h, *drafter.propose(h, unary, anchor, temperature, torch.Generator().manual_seed(0)))
+
+
+def assert_same_drafts(a, b, what):
+    for name, x, y in zip(("hidden states", "path", "candidates", "q"), a, b):
+        assert torch.equal(x, y), f"{what}: {name} differ (max |diff| {(x.double() - y.double()).abs().max().item():.3g})"
+
+
+def tensor_shapes(path):
+    with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}, {f.get_slice(k).get_dtype() for k in f.keys()}
+
+
+def assert_tensor_contract(path, dflash2):
+    shapes, _ = tensor_shapes(path)
+    spec = spec_tensor_shapes(dflash2)
+    assert shapes == spec, (f"tensors: missing {sorted(set(spec) - set(shapes))}, unexpected {sorted(set(shapes) - set(spec))}, "
+                            f"mis-shaped {sorted(f'{k} {shapes[k]} != {spec[k]}' for k in spec if k in shapes and shapes[k] != spec[k])}")
+
+
+def edit_config(path, edit):
+    config = json.loads((path / "config.json").read_text())
+    edit(config)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def edit_tensors(path, edit):
+    tensors = safetensors.torch.load_file(path / "model.safetensors")
+    edit(tensors)
+    safetensors.torch.save_file(tensors, path / "model.safetensors")
+
+
+# -----------------------------------------------------------------------------
+# export: the §7 contract, round trips, dtype, parts off, file modes, crashes
+
+
+def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_path, target):
+    drafter = checkpoint_drafter(target)
+    path = tmp_path / "ckpt"
+    drafter.save_pretrained(path, dtype=torch.float32)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(path)) == ["config.json", "model.safetensors"], (
+        f"export left {sorted(os.listdir(tmp_path))}, holding {sorted(os.listdir(path))}")
+
+    assert_tensor_contract(path, dflash2=True)
+    dtypes = tensor_shapes(path)[1]
+    assert dtypes == {"F32"}, f"fp32 export holds {dtypes}"
+
+    config = json.loads((path / "config.json").read_text())
+    assert SPEC_CONFIG_KEYS <= set(config) and ({"rope_theta", "rope_parameters"} & set(config)), (
+        f"config.json lacks {sorted(SPEC_CONFIG_KEYS - set(config))} or both rope_theta and rope_parameters")
+    # anything else must be a field a Qwen3 config has (torch_dtype: the spelling transformers < 5 wrote)
+    qwen3_keys = set(transformers.Qwen3Config().to_dict()) | {"rope_theta", "torch_dtype"}
+    assert set(config) - SPEC_CONFIG_KEYS <= qwen3_keys, f"config.json keys outside SPEC and Qwen3: {sorted(set(config) - SPEC_CONFIG_KEYS - qwen3_keys)}"
+    assert set(config["dflash_config"]) == SPEC_DFLASH_KEYS, f"dflash_config keys {sorted(config['dflash_config'])}"
+    want = dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=32,
+                tie_word_embeddings=False, num_target_layers=2, block_size=5)
+    got = {k: config[k] for k in want}
+    assert got == want, f"config.json {got} != {want}"
+    want_dflash = dict(block_size=5, mask_token_id=31, target_layer_ids=[0, 1], conv_kernel_size=2, conv_group_size=8,
+                       selector_rank=4, selector_top_k=4)
+    assert config["dflash_config"] == want_dflash, f"dflash_config {config['dflash_config']} != {want_dflash}"
+    qwen3 = transformers.Qwen3Config.from_pretrained(path)
+    assert (qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.rope_parameters["rope_theta"]) == (32, 2, drafter.config.rope_theta), (
+        f"transformers reads config.json as {qwen3}")
+
+    loaded = DFlash2Drafter.from_pretrained(path)
+    assert loaded.config == drafter.config, f"config after the round trip {loaded.config} != {drafter.config}"
+    inputs = draft_inputs(drafter, target)
+    for temperature in (0.0, 1.0):
+        assert_same_drafts(drafts(loaded, target, inputs, temperature), drafts(drafter, target, inputs, temperature),
+                           f"fp32 round trip, T={temperature}")
+
+
+def test_export_is_bf16_by_default_and_reloads_the_rounded_weights(tmp_path, target):
+    drafter = checkpoint_drafter(target)
+    drafter.save_pretrained(tmp_path / "ckpt")
+    dtypes = tensor_shapes(tmp_path / "ckpt")[1]
+    assert dtypes == {"BF16"}, f"default export holds {dtypes}, not bf16"
+    assert transformers.Qwen3Config.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16, "config.json does not say bfloat16"
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt").state_dict()
+    for k, v in drafter.state_dict().items():
+        assert torch.equal(loaded[k], v.bfloat16().float()), f"{k} is not the bf16 rounding of the saved tensor"
+
+
+@pytest.mark.parametrize("part_off", ["conv_kernel_size", "selector_top_k"])
+def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_path, target, part_off):
+    """Engines build both parts for DFlash2DraftModel: the missing one is exported as the
+    exact identity, so the reloaded full DFlash2 drafter drafts the same greedy tokens."""
+    drafter = checkpoint_drafter(target, **{part_off: 0})
+    drafter.save_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"], f"{part_off}=0 exported as {config['architectures']}"
+    assert config["dflash_config"]["conv_kernel_size"] > 0 and config["dflash_config"]["selector_top_k"] > 0, (
+        f"{part_off}=0 exported dflash_config {config['dflash_config']}")
+    assert_tensor_contract(tmp_path / "ckpt", dflash2=True)
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt")
+    inputs = draft_inputs(drafter, target)
+    (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(loaded, target, inputs, 0.0)
+    assert torch.equal(h1, h0), f"{part_off}=0: hidden states after reload differ by {(h1 - h0).abs().max():.3g}"
+    assert torch.equal(path1, path0), f"{part_off}=0: greedy drafts {path1.tolist()} != {path0.tolist()} before export"
+
+
+def test_export_is_readable_by_other_users(tmp_path, target):
+    old = os.umask(0o077)
+    try:
+        checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
+    finally:
+        os.umask(old)
+    modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").iterdir()]}
+    assert modes == {"ckpt": "0o755", "config.json": "0o644", "model.safetensors": "0o644"}, f"modes {modes}"
+
+
+def boom(*args, **kwargs):
+    raise OSError("disk full")
+
+
+def half_written_json(obj, f, **kwargs):
+    f.write('{"architectures": ')
+    raise OSError("disk full")
+
+
+@pytest.mark.parametrize("crash", ["safetensors.torch.save_file", "json.dump"])
+@pytest.mark.parametrize("existing", [False, True])
+def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, saved_checkpoint, target, crash, existing):
+    path = tmp_path / "ckpt"
+    if existing:
+        shutil.copytree(saved_checkpoint, path)
+    before = {f: (path / f).read_bytes() for f in os.listdir(path)} if existing else None
+    monkeypatch.setattr(crash, boom if crash.startswith("safetensors") else half_written_json)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint_drafter(target).save_pretrained(path)
+    assert sorted(os.listdir(tmp_path)) == (["ckpt"] if existing else []), f"a crash in {crash} left {sorted(os.listdir(tmp_path))}"
+    if existing:
+        after = {f: (path / f).read_bytes() for f in os.listdir(path)}
+        assert after == before, f"a crash in {crash} changed the older checkpoint: files {sorted(after)} vs {sorted(before)}"
+
+
+# -----------------------------------------------------------------------------
+# DFlash (v1) checkpoints and the warm start from them
+
+
+def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
+    v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
+    v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
+    config = json.loads((tmp_path / "v1" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"], f"v1 architectures {config['architectures']}"
+    off = {k: config["dflash_config"][k] for k in ("conv_kernel_size", "selector_top_k") if k in config["dflash_config"]}
+    assert {"block_size", "mask_token_id", "target_layer_ids"} <= set(config["dflash_config"]) <= SPEC_DFLASH_KEYS \
+        and not any(off.values()), f"v1 dflash_config {config['dflash_config']}"
+    assert_tensor_contract(tmp_path / "v1", dflash2=False)
+
+    loaded = DFlash2Drafter.from_pretrained(tmp_path / "v1")
+    assert not loaded.config.is_dflash2 and loaded.candidate_selector is None, f"v1 loaded as {loaded.config}"
+    warm = DFlash2Drafter.from_pretrained(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
+    assert warm.config.is_dflash2 and warm.layers[0].attention_conv is not None, f"warm start built {warm.config}"
+    inputs = draft_inputs(v1, target)
+    reference = drafts(v1, target, inputs, 0.0)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), reference, "v1 round trip")
+    h, path = drafts(warm, target, inputs, 0.0)[:2]
+    assert torch.equal(h, reference[0]), f"warm-started hidden states differ by {(h - reference[0]).abs().max().item():.3g}"
+    assert torch.equal(path, reference[1]), f"warm-started greedy proposal {path.tolist()} != v1's {reference[1].tolist()}"
+    # lossless decoding makes both outputs the target's greedy text: the acceptance lengths show the proposals agree
+    prompt = torch.tensor([[11, 30, 2, 2, 8, 19]])
+    (out_v1, stats_v1), (out_warm, stats_warm) = (spec_generate(d, target, prompt, 20) for d in (loaded, warm))
+    assert out_warm.tolist() == out_v1.tolist() and stats_warm.acceptance_lengths == stats_v1.acceptance_lengths, (
+        f"warm start: {out_warm.tolist()} with acceptance lengths {stats_warm.acceptance_lengths}, "
+        f"v1: {out_v1.tolist()} with {stats_v1.acceptance_lengths}")
+
+
+# -----------------------------------------------------------------------------
+# what the loader refuses
+
+
+UNSUPPORTED = {"output_multiplier": 2.0, "final_logit_softcapping": 30.0, "input_embedding_scale": 4.0,
+               "layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "is_causal": True,
+               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "hidden_act": "gelu",
+               "attention_bias": True}
+
+
+@pytest.mark.parametrize("field", UNSUPPORTED)
+def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_checkpoint, field):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    edit_config(path, lambda c: c.update({field: UNSUPPORTED[field]}))
+    with pytest.raises(ValueError, match=f"{field} = .* is not supported"):
+        DFlash2Drafter.from_pretrained(path)
+
+
+def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
+             "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
+    edit_config(path, lambda c: c.update(plain))
+    DFlash2Drafter.from_pretrained(path)
+
+
+MALFORMED = {
+    "missing config.json": (lambda p: os.remove(p / "config.json"), "config.json not found"),
+    "missing model.safetensors": (lambda p: os.remove(p / "model.safetensors"), "model.safetensors not found"),
+    "wrong architectures": (lambda p: edit_config(p, lambda c: c.update(architectures=["Qwen3ForCausalLM"])), "architectures"),
+    "config lacks hidden_size": (lambda p: edit_config(p, lambda c: c.pop("hidden_size")), "hidden_size"),
+    "config lacks mask_token_id": (lambda p: edit_config(p, lambda c: c["dflash_config"].pop("mask_token_id")), "mask_token_id"),
+    "missing tensor": (lambda p: edit_tensors(p, lambda t: t.pop("norm.weight")), r"missing \['norm.weight'\]"),
+    "missing DFlash2 tensor": (lambda p: edit_tensors(p, lambda t: t.pop("candidate_selector.successor_codebook")),
+                               r"missing \['candidate_selector.successor_codebook'\]"),  # only a v1 checkpoint may lack it
+    "unexpected tensor": (lambda p: edit_tensors(p, lambda t: t.update({"lm_head.weight": torch.zeros(32, 32)})),
+                          r"unexpected \['lm_head.weight'\]"),
+    "mis-shaped tensor": (lambda p: edit_tensors(p, lambda t: t.update({"fc.weight": t["fc.weight"][:, :32].contiguous()})),
+                          r"mis-shaped \['fc.weight \(32, 32\) != \(32, 64\)'\]"),
+}
+
+
+@pytest.mark.parametrize("case", MALFORMED)
+def test_malformed_checkpoint_is_refused_naming_what_is_wrong(tmp_path, saved_checkpoint, case):
+    corrupt, match = MALFORMED[case]
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    corrupt(path)
+    with pytest.raises(ValueError, match=match):
+        DFlash2Drafter.from_pretrained(path)
+
+
+class Payload:
+    """Unpickling this creates a marker file: proof that a loader ran pickle."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_pickled_weights_are_never_unpickled(tmp_path, saved_checkpoint):
+    pickle.loads(pickle.dumps(Payload(str(tmp_path / "armed"))))
+    assert (tmp_path / "armed").exists(), "the payload does not fire when unpickled: this test could not fail"
+    path, marker = tmp_path / "ckpt", tmp_path / "unpickled"
+    shutil.copytree(saved_checkpoint, path)
+    with open(path / "model.safetensors", "wb") as f:
+        pickle.dump({"fc.weight": Payload(str(marker))}, f)
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        DFlash2Drafter.from_pretrained(path)
+    assert not marker.exists(), "loading a checkpoint ran pickle"
