@@ -124,6 +124,9 @@ def check_config(c):
         (all(0 <= l < L for l in ids),
          f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})"),
         (len(set(ids)) == len(ids), f"target_layer_ids {ids} has duplicates: each layer is one feature"),
+        (L - 1 not in ids, f"target_layer_ids {ids} holds the target's last layer {L - 1}: Hugging Face returns it "
+         "after the final norm, and serving engines, which capture each layer's input, never see it; use layers "
+         f"below {L - 1}"),
     )
     if c.conv_kernel_size:
         rules += (
@@ -149,12 +152,12 @@ def known_fields(overrides):
 
 
 def default_target_layer_ids(num_target_layers, num_features=5):
-    """§1: nf == 1 -> [Lt // 2], else round(1 + i*(Lt-4)/(nf-1)). Here nf = min(5, Lt-3) so
-    that small targets still get distinct layers (36 layers -> [1, 9, 17, 25, 33])."""
+    """§1: nf == 1 -> [Lt // 2] (below the last layer), else round(1 + i*(Lt-4)/(nf-1)). Here
+    nf = min(5, Lt-3) so that small targets still get distinct layers (36 layers -> [1, 9, 17, 25, 33])."""
     L = num_target_layers
     n = max(1, min(num_features, L - 3))
     if n == 1:
-        return [L // 2]
+        return [max(0, min(L // 2, L - 2))]  # never the last layer (check_config says why)
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 

@@ -299,6 +299,7 @@ def leading_run(hits):
     ("rope_theta", 0.0, r"rope_theta \(0.0\) must be > 0"),
     ("rms_norm_eps", -1e-6, r"rms_norm_eps \(-1e-06\) >= 0"),
     ("target_layer_ids", [1, 1], r"target_layer_ids \[1, 1\] has duplicates"),
+    ("target_layer_ids", [0, 3], r"target_layer_ids \[0, 3\] holds the target's last layer 3: .*after the final norm"),
 ])
 def test_config_rejects_bad_values(field, value, message):
     with pytest.raises(ValueError, match=message):
@@ -332,9 +333,9 @@ def test_default_target_layer_ids_are_the_published_choice_and_distinct_layers()
     # ALGORITHM.md §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
     got = default_target_layer_ids(36), default_target_layer_ids(36, num_features=1)
     assert got == ([1, 9, 17, 25, 33], [18]), f"36 layers: {got}, want [1, 9, 17, 25, 33] and [18]"
-    for L in range(1, 40):
+    for L in range(2, 40):  # never the last layer, which serving engines cannot capture (a 1-layer target has none)
         ids = default_target_layer_ids(L)
-        assert len(set(ids)) == len(ids) and all(0 <= l < L for l in ids), f"L={L}: layer ids {ids}"
+        assert len(set(ids)) == len(ids) and all(0 <= l < L - 1 for l in ids), f"L={L}: layer ids {ids}"
 
 
 def test_training_functions_refuse_bad_arguments(target, batch):

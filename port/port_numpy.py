@@ -308,7 +308,7 @@ def replay(W, cfg, embed, lm_head, prompt, calls, max_new_tokens, sampling=None,
 
 def default_target_layer_ids(L):
     nf = max(1, min(5, L - 3))
-    return [L // 2] if nf == 1 else [round(1 + e * (L - 4) / (nf - 1)) for e in range(nf)]
+    return [max(0, min(L // 2, L - 2))] if nf == 1 else [round(1 + e * (L - 4) / (nf - 1)) for e in range(nf)]
 
 
 def default_gamma(B):

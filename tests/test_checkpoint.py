@@ -24,7 +24,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_qwen3(vocab_size=32)
+    return tiny_qwen3(vocab_size=32, num_layers=3)  # target_layer_ids [0, 1]: below the last layer
 
 
 # ALGORITHM.md §7 written out for the checkpoint drafter below: H = 32, I = 64, 2 target features,
@@ -147,7 +147,7 @@ def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_p
     assert set(config["dflash_config"]) == SPEC_DFLASH_KEYS, f"dflash_config keys {sorted(config['dflash_config'])}"
     want = dict(architectures=["DFlash2DraftModel"], model_type="qwen3", hidden_size=32, intermediate_size=64,
                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8, vocab_size=32,
-                tie_word_embeddings=False, num_target_layers=2, block_size=5)
+                tie_word_embeddings=False, num_target_layers=3, block_size=5)
     got = {k: config[k] for k in want}
     assert got == want, f"config.json {got} != {want}"
     want_dflash = dict(block_size=5, mask_token_id=31, target_layer_ids=[0, 1], conv_kernel_size=2, conv_group_size=8,

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_qwen3(vocab_size=32)
+    return tiny_qwen3(vocab_size=32, num_layers=3)  # target_layer_ids [0, 1]: below the last layer
 
 
 @pytest.fixture(scope="module")
@@ -162,13 +162,13 @@ def test_acceptance_length_counts_only_committed_tokens(monkeypatch, target, dra
 
 
 def test_drafter_for_another_target_is_refused(target, drafter):
-    for what, other in (("num_target_layers", tiny_qwen3(vocab_size=32, num_layers=3)),
-                        ("vocab_size", tiny_qwen3(vocab_size=24)),
-                        ("hidden_size", tiny_qwen3(vocab_size=32, hidden_size=48))):
+    for what, other in (("num_target_layers", tiny_qwen3(vocab_size=32, num_layers=4)),
+                        ("vocab_size", tiny_qwen3(vocab_size=24, num_layers=3)),
+                        ("hidden_size", tiny_qwen3(vocab_size=32, hidden_size=48, num_layers=3))):
         with pytest.raises(ValueError, match=f"the drafter has {what} .* but the target has"):
             spec_generate(drafter, other, torch.tensor([[1, 2]]), 4)
     # a target whose lm_head has the drafter's vocabulary but whose embedding table is smaller than mask_token_id
-    small = tiny_qwen3(vocab_size=32)
+    small = tiny_qwen3(vocab_size=32, num_layers=3)
     small.model.embed_tokens = torch.nn.Embedding(20, 32).double()
     with pytest.raises(ValueError, match="mask_token_id 31 is outside the target's embedding table"):
         spec_generate(drafter, small, torch.tensor([[1, 2]]), 4)
@@ -419,7 +419,7 @@ def loop_models():
     """V = 8 peaked target; drafter with B = 4 and K = 4 < V candidates, q strongly
     predecessor-conditioned, flat enough unary logits that drafts are often accepted.
     No convolution: it only shapes h, and it would cost a third of the drafter's time."""
-    target = tiny_qwen3(vocab_size=LOOP_V, hidden_size=16, num_layers=1, seed=2, lm_head_scale=20.0)
+    target = tiny_qwen3(vocab_size=LOOP_V, hidden_size=16, num_layers=2, seed=2, lm_head_scale=20.0)
     drafter = tiny_drafter(target, seed=3, block_size=4, selector_top_k=4, conv_kernel_size=0)
     with torch.no_grad():
         drafter.norm.weight.mul_(0.3)
