@@ -6,6 +6,7 @@ short continuations (chi-square), and fresh prefills for the cache rollback. Tin
 float64 targets from transformers.Qwen3Config, nothing downloaded. The checkpoint tests
 (§7) are in test_checkpoint.py.
 """
+import dataclasses
 import itertools
 import math
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from conftest import tiny_drafter, tiny_qwen3
-from dflash2 import (DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
+from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -324,14 +325,17 @@ def test_verify_sampled_matches_enumerated_branches():
     assert pvalue > 1e-6, f"verify_sampled's (n_accepted, bonus) counts depart from the enumerated law: p = {pvalue:.3g}"
 
 
+@pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (1.0, 3), (0.6, 0), (0.8, 5)], ids=["no-filter", "top-k", "top-p",
+                                                                                         "both"])
 @pytest.mark.parametrize("temperature", [0.0, 0.7, 1.6])
 @pytest.mark.parametrize("selector", [True, False], ids=["selector", "no-selector"])
-def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temperature):
+def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temperature, top_p, top_k):
     """propose draws slot j from q_j(·|prev) = softmax(S[j](prev, c)/T) over the top-K
     candidates c, prev being the token it drew at slot j-1 (the anchor at slot 1), and
-    returns that q; without the selector, softmax(U[j]/T) over the vocabulary. At T = 0 it
-    walks the argmax. Reference: S[j](p, c) = U[j, c] + Σ_r A[p, r] P[j, r] Bc[c, r] with
-    explicit sums; 20000 walks in one batch, chi-square over the drafted paths."""
+    returns that q, whatever the request's top-k / top-p; without the selector, from the
+    request's law over the vocabulary: softmax(U[j]/T) after top-k / top-p (brute_force_probs).
+    At T = 0 it walks the argmax. Reference: S[j](p, c) = U[j, c] + Σ_r A[p, r] P[j, r] Bc[c, r]
+    with explicit sums; 20000 walks in one batch, chi-square over the drafted paths."""
     if not selector:
         drafter = tiny_drafter(target, seed=1, block_size=5, target_layer_ids=[0, 1], selector_top_k=0)
     M, n, V, anchor = 20000, drafter.config.block_size - 1, target.config.vocab_size, 7
@@ -339,7 +343,8 @@ def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temp
     h = torch.randn(1, n, target.config.hidden_size, generator=g, dtype=torch.float64)
     with torch.no_grad():
         unary = target.get_output_embeddings()(h).float()
-        path, cand, q = drafter.propose(h.expand(M, -1, -1), unary.expand(M, -1, -1), torch.full((M,), anchor), temperature, g)
+        path, cand, q = drafter.propose(h.expand(M, -1, -1), unary.expand(M, -1, -1), torch.full((M,), anchor), temperature,
+                                        g, top_p=top_p, top_k=top_k)
     U = unary[0].double()
     if selector:
         sel = drafter.candidate_selector
@@ -349,8 +354,11 @@ def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temp
         scores = [[[float(U[j, c]) + sum(float(A[p, r] * P[j, r] * Bc[c, r]) for r in range(P.shape[1])) for c in cands[j]]
                    for p in range(V)] for j in range(n)]
         S = torch.tensor(scores, dtype=torch.float64)                    # (n, V predecessors, K)
-    else:
+    elif temperature == 0:
         cands, S = [list(range(V))] * n, U[:, None, :].expand(n, V, V)  # no predecessor dependence
+    else:  # the filtered law, as log-probabilities (-inf outside its support) so that softmax(S/T) returns it
+        law = torch.stack([brute_force_probs(U[j].tolist(), temperature, top_p, top_k) for j in range(n)])
+        cands, S = [list(range(V))] * n, (temperature * law.log())[:, None, :].expand(n, V, V)
     assert (cand == torch.tensor(cands)).all(), f"candidates {cand[0].tolist()} != top-K {cands}"
     prev = torch.cat([torch.full((M, 1), anchor), path[:, :-1]], 1)
     if temperature == 0:
@@ -426,6 +434,13 @@ def loop_models():
     return target, drafter
 
 
+def without_selector(drafter):
+    """The same weights with the selector off: a DFlash (v1) drafter proposing from its unary law."""
+    unary = DFlash2Drafter(dataclasses.replace(drafter.config, selector_top_k=0)).to(drafter.fc.weight.dtype)
+    unary.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("candidate_selector.")})
+    return unary
+
+
 @torch.no_grad()
 def exact_joint3(target, temperature, top_p, top_k):
     """p(x1) p(x2|x1) p(x3|x1,x2) after the prompt, (V, V, V), from one batched forward."""
@@ -440,14 +455,27 @@ def exact_joint3(target, temperature, top_p, top_k):
 
 @pytest.mark.parametrize("temperature, top_p, top_k, q_kind", [
     (0.7, 1.0, 0, "walk"), (1.0, 1.0, 0, "walk"), (1.6, 1.0, 0, "walk"), (1.0, 0.9, 5, "walk"),
-    (1.0, 1.0, 0, "unary top-K")])
+    (1.0, 1.0, 3, "unary"), (1.0, 0.8, 0, "unary"), (1.3, 0.9, 4, "unary"),
+    (1.0, 1.0, 0, "unary top-K"), (2.0, 1.0, 3, "unfiltered unary q")])
 def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperature, top_p, top_k, q_kind):
     """max_new_tokens = 4 with B = 4: the first cycle drafts 2 slots, so the 2nd and 3rd
     tokens come from slot-1 and slot-2 drafts (slot 2 conditional on the drafted slot 1),
-    residuals, bonuses or a following cycle. "unary top-K" verifies with the unary softmax
-    over the candidates instead of the walk's q (the path still comes from the walk): the
-    same test must reject it."""
+    residuals, bonuses or a following cycle. "walk": a DFlash2 drafter; "unary": the same
+    drafter with its selector off (a DFlash drafter), whose drafts follow the request's
+    filtered law. Two wrong q's must be rejected by the same test: "unary top-K" verifies
+    with the unary softmax over the candidates instead of the walk's q (the path still comes
+    from the walk); "unfiltered unary q" samples the filtered unary law but verifies with
+    the unfiltered softmax(U/T)."""
     target, drafter = loop_models
+    if q_kind in ("unary", "unfiltered unary q"):
+        drafter = without_selector(drafter)
+    if q_kind == "unfiltered unary q":
+        propose = drafter.propose
+
+        def unfiltered_q(h, unary, anchor, temperature=0.0, generator=None, **filters):
+            path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
+            return path, cand, torch.softmax(unary / temperature, -1)
+        monkeypatch.setattr(drafter, "propose", unfiltered_q)
     if q_kind == "unary top-K":
         propose = drafter.propose
 
@@ -464,10 +492,10 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
     assert al[0] and al[1] and al[2], f"first-cycle acceptance lengths 1/2/3 seen {al.tolist()} times: some branch is never exercised"
     pvalue = chi_square_pvalue(counts, exact_joint3(target, temperature, top_p, top_k).numpy(), q_kind)
     print(f"T={temperature} top_p={top_p} top_k={top_k} q={q_kind}: chi-square p = {pvalue:.3g}")
-    if q_kind == "walk":
+    if q_kind in ("walk", "unary"):
         assert pvalue > 1e-6, f"joint of the first 3 tokens departs from the target's exact joint: p = {pvalue:.3g}"
     else:
-        assert pvalue < 1e-6, f"verifying with the unary top-K q went undetected: p = {pvalue:.3g}"
+        assert pvalue < 1e-6, f"verifying with the wrong q ({q_kind}) went undetected: p = {pvalue:.3g}"
 
 
 # -----------------------------------------------------------------------------
