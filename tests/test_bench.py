@@ -1,4 +1,8 @@
-"""bench.py: the bootstrap against exact references, bad flags, and a smoke run of --quick."""
+"""bench/: the bootstrap against exact references, the unary path, the variants' shared
+weights, the draft step's weight floor against a brute-force count of the parameter elements
+it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
+--quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`."""
+import dataclasses
 import itertools
 import json
 import os
@@ -6,9 +10,36 @@ import statistics
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from bench import ablation as bench
 import dflash2 as D
+from bench import ablation, common, cost, gpu_check
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    """One offline-world cache for the smoke runs: the quick world is built once."""
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture
+def train_on_one_thread(monkeypatch):
+    """train.py gives torch every core of a CPU; the smoke runs' tiny models are all per-op
+    overhead, and on a busy 2-core machine a second thread makes each op wait for a core
+    (the quick ablation took 10x longer), so they keep one thread throughout."""
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    set_threads(1)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    yield
+    set_threads(threads)
+
+
+# -----------------------------------------------------------------------------
+# statistics
 
 
 def test_bootstrap_over_prompts_matches_exact_enumeration():
@@ -19,11 +50,11 @@ def test_bootstrap_over_prompts_matches_exact_enumeration():
     for pick in itertools.product(range(4), repeat=4):
         m = round(float(x[0, list(pick)].mean()), 6)
         exact[m] = exact.get(m, 0) + 1 / 4 ** 4
-    reps = bench.bootstrap([x], lambda a: a.mean((1, 2)), n=40000)
+    reps = common.bootstrap([x], lambda a: a.mean((1, 2)), n=40000)
     for m, p in exact.items():
         got = float((reps.sub(m).abs() < 1e-6).double().mean())
         assert abs(got - p) < 0.006, f"P(mean = {m}): bootstrap {got:.4f}, exact {p:.4f}"
-    lo, hi = bench.interval(reps)
+    lo, hi = common.interval(reps)
     cdf = lambda v: sum(p for m, p in exact.items() if m <= v + 1e-9)
     assert cdf(lo) >= 0.025 - 0.006 and cdf(hi) >= 0.975 - 0.006, f"interval [{lo}, {hi}] is not at the exact quantiles"
 
@@ -34,7 +65,7 @@ def test_bootstrap_redraws_seeds_and_prompts_independently():
     g = torch.Generator().manual_seed(1)
     a, b = torch.randn(3, generator=g, dtype=torch.float64), torch.randn(64, generator=g, dtype=torch.float64)
     x = a[:, None] + b[None, :]
-    reps = bench.bootstrap([x], lambda v: v.mean((1, 2)), n=40000)
+    reps = common.bootstrap([x], lambda v: v.mean((1, 2)), n=40000)
     want = a.var(unbiased=False) / 3 + b.var(unbiased=False) / 64
     assert abs(reps.var() / want - 1) < 0.05, f"bootstrap variance {reps.var():.5f}, analytic {want:.5f}"
     assert abs(reps.mean() - x.mean()) < 0.01, (reps.mean(), x.mean())
@@ -43,60 +74,258 @@ def test_bootstrap_redraws_seeds_and_prompts_independently():
 def test_ratio_is_paired_and_slot_rate_pools_counts():
     g = torch.Generator().manual_seed(2)
     y = 1 + torch.rand(3, 64, generator=g, dtype=torch.float64)
-    assert bench.ratio_ci(2 * y, y) == pytest.approx((2, 2, 2)), "a paired ratio of 2·y to y must be exactly 2"
+    assert common.ratio_ci(2 * y, y) == pytest.approx((2, 2, 2)), "a paired ratio of 2·y to y must be exactly 2"
     accepted = torch.tensor([[[3, 1], [1, 0]]], dtype=torch.float64)   # (S=1, P=2, B-1=2)
     reached = torch.tensor([[[4, 3], [2, 1]]], dtype=torch.float64)
-    rate, lo, hi = bench.slot_ci(accepted, reached)
+    rate, lo, hi = common.slot_ci(accepted, reached)
     assert rate == pytest.approx([4 / 6, 1 / 4]), rate
     assert all(l <= r <= h for l, r, h in zip(lo, rate, hi)), (lo, rate, hi)
 
 
-def test_without_selector_proposes_by_unary_argmax_and_leaves_the_original_alone():
-    c = D.DFlash2Config(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=50,
-                        num_target_layers=4, target_layer_ids=[1], mask_token_id=0, num_layers=1, selector_rank=8)
-    drafter = D.DFlash2Drafter(c)
-    unary = bench.without_selector(drafter)
-    assert unary.candidate_selector is None and unary.config.selector_top_k == 0, "the copy still has a selector"
+# -----------------------------------------------------------------------------
+# drafters: the unary path, the variants
+
+
+def small_config(**overrides):
+    return D.DFlash2Config(**{**dict(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
+                                     vocab_size=50, num_target_layers=4, target_layer_ids=[1], mask_token_id=0,
+                                     num_layers=1, selector_rank=8), **overrides})
+
+
+def test_without_selector_is_a_selectorless_drafter_with_the_same_weights():
+    torch.manual_seed(0)
+    drafter = D.DFlash2Drafter(small_config())
+    with torch.no_grad():
+        for p in drafter.parameters():  # off the identity init: the selector would change the proposals
+            p.add_(torch.randn_like(p))
+    unary = ablation.without_selector(drafter)
+    assert unary.candidate_selector is None and unary.config.selector_top_k == 0, "the unary path still has a selector"
+    assert unary.config == dataclasses.replace(drafter.config, selector_top_k=0), "the unary path changed the shape"
     assert drafter.candidate_selector is not None and drafter.config.selector_top_k == 16, "the original lost its selector"
-    assert unary.layers is drafter.layers, "the copy must share the drafter's weights"
+    full, kept = drafter.state_dict(), unary.state_dict()
+    assert set(kept) == {k for k in full if not k.startswith("candidate_selector.")}, sorted(set(full) ^ set(kept))
+    differ = [k for k in kept if not torch.equal(kept[k], full[k])]
+    assert not differ, f"the unary path's weights differ from the drafter's: {differ}"
     g = torch.Generator().manual_seed(0)
-    h, logits = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 50, generator=g)
-    assert torch.equal(unary.propose(h, logits, torch.tensor([1, 2, 3]))[0], logits.argmax(-1))
-    assert not any(k.startswith("candidate_selector.") for k in unary.state_dict())
-    assert any(k.startswith("candidate_selector.") for k in drafter.state_dict())
+    x, feats = torch.randn(2, 8, 32, generator=g), torch.randn(2, 5, 32, generator=g)
+    pos, ctx_pos = torch.arange(5, 13).expand(2, -1), torch.arange(5).expand(2, -1)
+    with torch.no_grad():
+        h, h_unary = drafter(x, pos, feats, ctx_pos), unary(x, pos, feats, ctx_pos)
+    assert torch.equal(h, h_unary), f"hidden states differ by {(h - h_unary).abs().max():.3g}"
+    h, logits, anchor = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 50, generator=g), torch.tensor([1, 2, 3])
+    path, cand, q = unary.propose(h, logits, anchor)
+    assert torch.equal(path, logits.argmax(-1)) and cand.shape == (3, 7, 50), "the unary path is not the unary argmax"
+    assert not torch.equal(drafter.propose(h, logits, anchor)[0], path), \
+        "the drafter with its selector proposed the unary argmax too: the test cannot tell the two apart"
 
 
-@pytest.mark.parametrize("flag", [["--seeds", "0"], ["--eval-prompts", "0"], ["--temperatures", "0,-1"],
-                                  ["--parts", "ablation,speed"], ["--drafters", "DFlash,DFlash3"]])
-def test_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
-    monkeypatch.setattr(bench, "ablation", lambda args: pytest.fail("the ablation started"))
-    monkeypatch.setattr(bench, "draft_step_cost", lambda args: pytest.fail("the cost part started"))
+def test_variants_share_one_backbone_and_switch_their_parts_off():
+    target_config = common.qwen3_config(hidden=32, layers=3, heads=2, kv_heads=1, head_dim=16, intermediate=64,
+                                        vocab=40)
+    drafters = cost.variant_drafters(target_config, num_layers=2, conv_group_size=8, selector_rank=4)
+    assert list(drafters) == list(cost.VARIANTS), list(drafters)
+    full = drafters["DFlash2"].state_dict()
+    for name, d in drafters.items():
+        c = d.config
+        parts = (c.conv_kernel_size > 0, c.selector_top_k > 0)
+        assert parts == {"DFlash": (False, False), "+conv": (True, False), "+selector": (False, True),
+                         "DFlash2": (True, True)}[name], f"{name} has conv/selector {parts}"
+        own = d.state_dict()
+        assert set(own) <= set(full) and all(own[k].data_ptr() == full[k].data_ptr() for k in own), \
+            f"{name} does not share DFlash2's tensors"
+        assert not any(t.is_meta for t in own.values()), f"{name} kept meta tensors"
+    moved = [k for k, v in full.items() if "_conv.kernel_projection" in k and not v.abs().sum()]
+    assert not moved, f"still at the identity init (zero), so the convolution does no work: {moved}"
+
+
+# -----------------------------------------------------------------------------
+# the draft step's floor against a brute-force count
+
+
+class ParameterReads(TorchDispatchMode):
+    """Which elements of the named tensors the ops under this mode read: an embedding or
+    index op reads the rows it gathers (counted each time), any other op with a non-empty
+    output the whole tensor (counted once). Views read nothing themselves."""
+    GATHER = {torch.ops.aten.embedding.default, torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default}
+
+    def __init__(self, named):
+        super().__init__()
+        self.names = {t.untyped_storage().data_ptr(): name for name, t in named}
+        self.whole, self.gathered = set(), {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        in_storage = {t.untyped_storage().data_ptr() for t in inputs}
+        if not any(t.numel() for t in outputs) or all(t.untyped_storage().data_ptr() in in_storage for t in outputs):
+            return out  # reads nothing, or a view
+        for t in inputs:
+            name = self.names.get(t.untyped_storage().data_ptr())
+            if name and func in self.GATHER:
+                self.gathered[name] = self.gathered.get(name, 0) + sum(o.numel() for o in outputs)
+            elif name:
+                self.whole.add(name)
+        return out
+
+    def total(self, named):
+        sizes = dict(named)
+        assert not self.whole & set(self.gathered), f"read whole and gathered: {self.whole & set(self.gathered)}"
+        return sum(sizes[n].numel() for n in self.whole) + sum(self.gathered.values())
+
+
+def test_draft_step_reads_match_a_brute_force_count():
+    """draft_step_reads(c) for every variant equals the parameter elements (drafter's, and the
+    target's embedding and lm_head) that one draft step actually touches; the floor ratios
+    follow, and each part's extra reads are exactly its own parameters' share."""
+    target = common.random_target(hidden=32, layers=3, heads=4, kv_heads=2, head_dim=8, intermediate=48, vocab=64)
+    drafters = cost.variant_drafters(target.config, num_layers=2, block_size=5, target_layer_ids=[0, 1],
+                                     selector_rank=6, selector_top_k=4, conv_group_size=8, mask_token_id=63)
+    counted = {}
+    for name, d in drafters.items():
+        named = [*d.named_parameters(), ("embed", target.get_input_embeddings().weight),
+                 ("lm_head", target.get_output_embeddings().weight)]
+        step = cost.draft_step(d, target, context=7)[1]
+        with ParameterReads(named) as reads:
+            step()
+        counted[name] = reads.total(named)
+        want = sum(cost.draft_step_reads(d.config).values())
+        assert counted[name] == want, f"{name}: a draft step touches {counted[name]} weight elements, the formula says " \
+                                      f"{want} ({cost.draft_step_reads(d.config)}); whole {sorted(reads.whole)}, " \
+                                      f"gathered {reads.gathered}"
+    c, (B, K, R) = drafters["DFlash2"].config, (5, 4, 6)
+    conv = sum(p.numel() for k, p in drafters["DFlash2"].named_parameters() if "_conv." in k)
+    selector = R * c.hidden_size + (B - 1) * (K + 1) * R
+    assert counted["+conv"] - counted["DFlash"] == conv and counted["+selector"] - counted["DFlash"] == selector, \
+        f"extra reads {counted['+conv'] - counted['DFlash']} (conv), {counted['+selector'] - counted['DFlash']} " \
+        f"(selector); want {conv}, {selector}"
+    report = cost.draft_report({k: 1.0 for k in drafters}, {k: d.config for k, d in drafters.items()}, 2)
+    assert report["DFlash2"]["floor_ratio_vs_dflash"] == pytest.approx(counted["DFlash2"] / counted["DFlash"]) and \
+        report["DFlash2"]["weight_bytes"] == 2 * counted["DFlash2"], report["DFlash2"]
+
+
+# -----------------------------------------------------------------------------
+# flags
+
+
+def test_sampling_settings_parse_label_and_add_the_chat_curve():
+    args = ablation.parse_args([])
+    assert args.settings == [(0.0, 1.0, 0), (1.0, 1.0, 0), (1.0, 0.95, 20)], args.settings
+    assert [ablation.label(s) for s in args.settings] == ["T=0", "T=1", "T=1, top-p 0.95, top-k 20"]
+    assert ablation.check_args(args) == args.settings, "without --chat-curve the settings are the flag's"
+    curve = ablation.check_args(ablation.parse_args(["--settings", "0.7,0.8,20", "--chat-curve"]))
+    assert curve == [(0.7, 0.8, 20), (0.6, 0.95, 20)], f"--chat-curve added {curve}"
+    assert ablation.parse_args(["--settings", "0.5,0.9"]).settings == [(0.5, 0.9, 0)]
+
+
+@pytest.mark.parametrize("text", ["1,0.9,20,3", "hot", "1,0.9,2.5", ""])
+def test_malformed_settings_exit_naming_the_flag(text, capsys):
+    with pytest.raises(SystemExit):
+        ablation.parse_args(["--settings", text])
+    err = capsys.readouterr().err
+    assert "--settings" in err and "temperature[,top_p[,top_k]]" in err, err
+
+
+@pytest.mark.parametrize("flag", [["--seeds", "0"], ["--eval-prompts", "0"], ["--settings", "0;-1"],
+                                  ["--settings", "1,1.5"], ["--settings", "1,0.9,-2"], ["--settings", "1;1,1,0"],
+                                  ["--drafters", "DFlash,DFlash3"]])
+def test_ablation_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
+    monkeypatch.setattr(ablation, "ablation", lambda *a: pytest.fail("the ablation started"))
     with pytest.raises(ValueError, match=flag[0]):
-        bench.main(bench.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+        ablation.main(ablation.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
-def test_bench_quick_runs_end_to_end(tmp_path):
+@pytest.mark.parametrize("flag", [["--parts", "draft,speed"], ["--repeats", "0"], ["--context", "0"],
+                                  ["--device", "gpu0"]])
+def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
+    for part in ("draft_part", "train_part", "memory_table"):
+        monkeypatch.setattr(cost, part, lambda *a, **k: pytest.fail("a part started"))
+    with pytest.raises(ValueError, match=flag[0]):
+        cost.main(cost.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+    assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
+
+
+# -----------------------------------------------------------------------------
+# smoke runs
+
+
+def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread):
     out = tmp_path / "bench"
-    results = bench.main(bench.parse_args(["--quick", "--out-dir", str(out), "--cache-dir", str(tmp_path / "cache"),
-                                           "--device", "cpu", "--dtype", "float32"]))
+    results = ablation.main(ablation.parse_args(["--quick", "--out-dir", str(out), "--cache-dir", cache_dir]))
     saved = json.loads((out / "results.json").read_text())
-    assert set(saved) >= {"draft_step", "train_step", "ablation", "wall_seconds"}, f"missing parts: {sorted(saved)}"
-    a = results["ablation"]
-    want = set(bench.DRAFTERS) | {f"{n}, unary path" for n in ("+selector", "DFlash2", bench.SOFT)}
-    assert set(a["summary"]) == want, sorted(a["summary"])
-    for label, s in a["summary"].items():
-        for t in ("T=0", "T=1"):
-            runs = a["variants"][label]["spec"][t]
-            assert len(runs) == 2 and all(len(r["al"]) == a["prompts"] for r in runs), f"{label} {t}: seeds × prompts"
+    assert saved["summary"] == json.loads(json.dumps(results["summary"])) and "wall_seconds" in saved, sorted(saved)
+    want = set(ablation.DRAFTERS) | {f"{n}, unary path" for n in ("+selector", "DFlash2", ablation.SOFT)}
+    assert set(results["summary"]) == want, sorted(results["summary"])
+    settings = ["T=0", "T=1", "T=1, top-p 0.95, top-k 20"]
+    assert results["settings"] == settings, results["settings"]
+    for name, s in results["summary"].items():
+        for t in settings:
+            runs = results["variants"][name]["spec"][t]
+            assert len(runs) == 2 and all(len(r["al"]) == results["prompts"] for r in runs), f"{name} {t}: seeds × prompts"
             mean, lo, hi = s[t]["al"]
-            assert 1 <= lo <= mean <= hi <= 8, f"{label} {t}: AL {mean} [{lo}, {hi}] outside [1, B] or not ordered"
-            assert mean == pytest.approx(statistics.mean(x for r in runs for x in r["al"])), label
-    assert "ratio_vs_dflash" in a["summary"]["DFlash2"]["T=0"] and "ratio_vs_unary_path" in a["summary"]["DFlash2"]["T=1"]
-    assert "ratio_vs_argmax_labels" in a["summary"][bench.SOFT]["T=1"], sorted(a["summary"][bench.SOFT]["T=1"])
-    assert a["summary"]["DFlash2"]["val"]["blocks"] >= 64, a["summary"]["DFlash2"]["val"]
-    assert "accept_selector" in a["summary"]["DFlash2"]["val"] and "accept_selector" not in a["summary"]["+conv"]["val"], \
+            assert 1 <= lo <= mean <= hi <= 8, f"{name} {t}: AL {mean} [{lo}, {hi}] outside [1, B] or not ordered"
+            assert mean == pytest.approx(statistics.mean(x for r in runs for x in r["al"])), name
+    for t in settings:  # the two ratios asked at every setting
+        s = results["summary"]
+        assert "ratio_vs_dflash" in s["DFlash2"][t] and "ratio_vs_unary_path" in s["DFlash2"][t], sorted(s["DFlash2"][t])
+        assert "ratio_vs_argmax_labels" in s[ablation.SOFT][t], sorted(s[ablation.SOFT][t])
+    assert results["summary"]["DFlash2"]["val"]["blocks"] >= 64, results["summary"]["DFlash2"]["val"]
+    assert "accept_selector" in results["summary"]["DFlash2"]["val"] and \
+        "accept_selector" not in results["summary"]["+conv"]["val"], \
         "selector metrics belong to the drafters trained with a selector, and only to them"
-    assert set(saved["draft_step"]["median_ms"]) == set(bench.VARIANTS) | {"walk alone"}
     assert os.path.getsize(out / "per_slot_acceptance.png") > 1000, "the plot was not written"
-    assert "| DFlash2 |" in (out / "results.md").read_text()
+    report = (out / "results.md").read_text()
+    assert "| DFlash2 |" in report and "| DFlash2 / its unary path |" in report and \
+        "| ratio | T=0 | T=1 | T=1, top-p 0.95, top-k 20 |" in report, report
+
+
+def test_cost_quick_runs_end_to_end(tmp_path):
+    out = tmp_path / "cost"
+    results = cost.main(cost.parse_args(["--quick", "--parts", "draft,train", "--out-dir", str(out),
+                                         "--device", "cpu", "--dtype", "float32"]))
+    saved = json.loads((out / "cost.json").read_text())
+    assert set(saved) == {"draft", "train", "wall_seconds"}, sorted(saved)
+    variants = results["draft"]["variants"]
+    assert list(variants) == [*cost.VARIANTS, "walk alone"], list(variants)
+    assert all(v["ms"] > 0 for v in variants.values()), variants
+    floors = {k: v["floor_ratio_vs_dflash"] for k, v in variants.items() if k != "walk alone"}
+    assert floors["DFlash"] == 1 and 1 < floors["+selector"] < floors["DFlash2"] and \
+        1 < floors["+conv"] < floors["DFlash2"], f"floor ratios {floors}"
+    assert set(results["train"]["ms"]) == {"DFlash", "DFlash2"}, results["train"]
+    report = (out / "cost.md").read_text()
+    assert "| DFlash2 |" in report and "floor × DFlash" in report and "Training step" in report, report
+
+
+def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
+    results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path), "--cache-dir",
+                                                   cache_dir]))
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert set(saved) == {"device", "pipeline", "Qwen3-4B", "Qwen3-8B", "draft_step", "seconds"}, sorted(saved)
+    p = results["pipeline"]
+    assert p["ok"] and p["greedy_equal"] == [True] * p["prompts"], f"greedy spec_generate != target: {p}"
+    assert 1 <= p["al_t0"] <= 8 and 1 <= p["al_t1"] <= 8, p
+    for name in ("Qwen3-4B", "Qwen3-8B"):
+        r = results[name]
+        assert r["plain"]["measured_gib"] is None and r["grad_checkpoint"]["plan_gib"] < r["plain"]["plan_gib"], r
+        assert r["plain"]["tokens_per_s"] > 0 and r["grad_checkpoint"]["tokens_per_s"] > 0, r
+    assert results["Qwen3-4B"]["train_ratio_dflash2_vs_dflash"] > 0, results["Qwen3-4B"]
+    assert set(results["draft_step"]["variants"]) == {"DFlash", "DFlash2", "walk alone"}, results["draft_step"]
+
+
+def test_gpu_check_records_a_failed_part_and_runs_the_others(tmp_path, monkeypatch, capsys):
+    def no_world(*args):
+        raise RuntimeError("no world")
+    step = {"plan_gib": 2.0, "measured_gib": None, "step_s": 1.0, "tokens_per_s": 96.0}
+    variant = {"ms": 1.0, "ratio_vs_dflash": 1.0, "floor_ratio_vs_dflash": 1.0}
+    monkeypatch.setattr(gpu_check, "pipeline", no_world)
+    monkeypatch.setattr(gpu_check, "real_scale", lambda *a, **k: {"plain": step, "grad_checkpoint": step})
+    monkeypatch.setattr(gpu_check, "draft_part", lambda *a, **k: {
+        "shape": {"dtype": "float32", "context": 64},
+        "variants": {"DFlash": variant, "DFlash2": variant, "walk alone": {"ms": 0.5}}})
+    with pytest.raises(SystemExit, match=r"failed: \['pipeline'\]"):
+        gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path)]))
+    saved = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert saved["pipeline"] == {"error": "RuntimeError: no world"} and saved["Qwen3-8B"]["plain"] == step, saved
+    out = capsys.readouterr().out
+    assert "pipeline    FAILED" in out and "50.0% of DFlash2's step" in out, out

@@ -1,10 +1,8 @@
-"""Tests of memory.py and of the memory the loss allocates: the plan against peak memory
-measured in a subprocess (CPU, scaled-down shapes, ±20%), the chunked loss never building
-a (slots, V) tensor, bad input, and the GPU check's parts run on the CPU at small shapes.
-Nothing here needs a GPU or downloads anything. Run: python -m pytest test_memory.py -q
+"""Tests of memory.py (the plan `train.py --plan` prints) and of the memory the loss
+allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
+table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
+and bad input. Nothing here needs a GPU or downloads anything.
 """
-import json
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -12,6 +10,8 @@ from torch.utils._pytree import tree_leaves
 
 import dflash2
 import memory
+from bench import cost
+from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,12 +26,16 @@ def test_plan_matches_measured_peak(tmp_path):
     """Peak RSS of two training steps in a fresh process, against the plan (fp32 on CPU):
     chunked and unchunked loss at two anchor counts, and grad checkpointing."""
     png = tmp_path / "memory.png"
-    rows = memory.memory_table(anchors=(64, 256), vocab=16384, hidden=64, seq_len=512, loss_chunk=64, plot=png)
-    assert png.stat().st_size > 0, "memory_table wrote no plot"
+    table = cost.memory_table(anchors=(64, 256), vocab=16384, hidden=64, seq_len=512, loss_chunk=64)
+    rows = table["rows"]
+    cost.plot_memory_table(table, png)
+    assert png.stat().st_size > 0, "plot_memory_table wrote no plot"
+    report = cost.markdown({"memory": table})
+    assert f"| 256 | {rows[1]['chunked_mib']:.0f} ({rows[1]['chunked_plan_mib']:.0f}) |" in report, report
     target = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=16384)
     drafter = dict(num_layers=2, block_size=4, selector_rank=32, conv_group_size=16)
-    measured = memory.measure_peak(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)["peak"]
-    plan = memory.memory_plan(memory.qwen3_config(**target), 512, 256, loss_chunk=64, grad_checkpoint=True, amp=False,
+    measured = cost.measure_peak(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)["peak"]
+    plan = memory.memory_plan(qwen3_config(**target), 512, 256, loss_chunk=64, grad_checkpoint=True, amp=False,
                               target_bytes=4, **drafter)["peak"]
     pairs = [(f"{n} anchors {name}", r[f"{name}_plan_mib"], r[f"{name}_mib"])
              for r in rows for n in [r["anchors"]] for name in ("chunked", "unchunked")]
@@ -65,7 +69,7 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
     """With chunk_size c, no tensor of the loss's forward or backward spans more than c
     slots of the vocabulary (the target's logits included); without chunks, all do."""
     V = 512
-    target = memory.random_target(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=V)
+    target = random_target(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=V)
     c = memory.drafter_config(target.config, num_layers=1, block_size=4, selector_rank=8, conv_group_size=8,
                               mask_token_id=V - 1)
     drafter = dflash2.DFlash2Drafter(c)
@@ -85,8 +89,8 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
             f"chunk_size {chunk}: largest vocabulary-wide tensor has {seen.largest // V} slots, want {most}"
 
 
-def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path, capsys):
-    config = memory.qwen3_config(**memory.QWEN3_4B)
+def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
+    config = qwen3_config(**QWEN3_4B)
     plan = lambda **kw: memory.memory_plan(config, 3072, **{"max_anchors": 512, "block_size": 16, **kw})
     base = plan()
     n_target, n_drafter = base["target_params"], base["drafter_params"]
@@ -111,7 +115,7 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path, capsys):
     text = memory.format_plan(base)
     assert "target weights" in text and f"largest batch in 80 GiB:  {fits}" in text, text
 
-    small = memory.qwen3_config(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
+    small = qwen3_config(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
     from transformers import Qwen3ForCausalLM
     c = memory.drafter_config(small)
     want = (sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()),
@@ -132,21 +136,18 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path, capsys):
         memory.read_target_config(str(broken))
     small.save_pretrained(tmp_path / "ok")
     assert memory.read_target_config(str(tmp_path / "ok")).hidden_size == 32, "a saved config did not read back"
-    memory.main(["--target", str(tmp_path / "ok"), "--seq-len", "64", "--max-anchors", "8", "--gpu-memory-gib", "1"])
-    assert "largest batch in 1 GiB:" in capsys.readouterr().out, "--target printed no plan"
+    text = memory.format_plan(memory.memory_plan(memory.read_target_config(str(tmp_path / "ok")), 64, 8,
+                                                 gpu_memory_gib=1))
+    assert "largest batch in 1 GiB:" in text, f"the saved config gave no plan: {text}"
 
 
-def test_gpu_check_parts_run_on_cpu():
-    """The GPU check's parts at small shapes on the CPU: the checks pass and the real-scale
-    step reports every number (no CUDA peak here)."""
-    loss = memory.check_loss_autocast("cpu")
-    assert loss["ok"], f"loss under bf16 autocast on the CPU: {loss}"
-    gen = memory.check_spec_generate("cpu", prompts=2, max_new_tokens=24)
-    assert gen["ok"], f"spec_generate greedy != target greedy: {gen}"
-    out = memory.real_scale_step("cpu", shape=memory.TINY, seq_len=96, max_anchors=12, block_size=8, num_layers=2,
-                                 steps=1, loss_chunk=20, log=lambda line: None)
-    for key in ("train_step_s", "tokens_per_s", "draft_step_ms"):
-        assert set(out[key]) == {"DFlash", "DFlash2"} and all(v > 0 for v in out[key].values()), f"{key}: {out[key]}"
-    assert out["plain"]["measured_gib"] is None and out["grad_checkpoint"]["plan_gib"] < out["plain"]["plan_gib"], \
-        f"peak memory entries: {out['plain']}, {out['grad_checkpoint']}"
-    json.dumps(out)  # --gpu-check prints it as JSON
+def test_plan_at_qwen3_8b_shape():
+    """Qwen3-8B (untied embeddings) at the paper's recipe: 8.19B target parameters, and with
+    grad checkpointing a larger batch fits than without."""
+    config = qwen3_config(**QWEN3_8B)
+    plan = lambda **kw: memory.memory_plan(config, 3072, 512, block_size=16, **kw)
+    base, checkpointed = plan(), plan(grad_checkpoint=True)
+    assert 8.1e9 < base["target_params"] < 8.3e9, f"Qwen3-8B has 8.19B parameters, the plan counts {base['target_params']}"
+    assert base["target_weights"] == 2 * base["target_params"], base
+    assert 1 <= base["max_batch_size"] < checkpointed["max_batch_size"], \
+        f"largest batch {base['max_batch_size']} without, {checkpointed['max_batch_size']} with grad checkpointing"

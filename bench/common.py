@@ -1,0 +1,109 @@
+"""
+What the bench's modules share: Qwen3 targets at real shapes with random weights, the
+held-out prompts of train.py's validation rows, interleaved median timing, and the
+two-level bootstrap (training seeds × prompts) behind every interval the bench reports.
+"""
+import torch
+
+import dflash2
+
+# -----------------------------------------------------------------------------
+# targets with random weights (nothing downloaded)
+
+# the shapes of Qwen3-4B (tied embeddings) and Qwen3-8B, from their config.json
+QWEN3_4B = dict(hidden=2560, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tie=True)
+QWEN3_8B = dict(hidden=4096, layers=36, heads=32, kv_heads=8, head_dim=128, intermediate=12288, vocab=151936)
+
+
+def qwen3_config(hidden, layers, heads, kv_heads, head_dim, intermediate, vocab, tie=False):
+    from transformers import Qwen3Config
+    return Qwen3Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+                       num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=intermediate,
+                       max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=tie)
+
+
+def random_target(seed=0, dtype=torch.float32, device="cpu", **shape):
+    """A frozen Qwen3 target of qwen3_config's shape with random weights, initialised
+    directly on the device in the given dtype (no fp32 copy of a large model first)."""
+    from transformers import Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Qwen3ForCausalLM(qwen3_config(**shape)).eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(default)
+
+
+# -----------------------------------------------------------------------------
+# held-out prompts
+
+
+def validation_rows(targs, tokenizer):
+    """train.py's validation rows for these train.py arguments: the last --val-size rows."""
+    from data import load_rows
+    rows = load_rows(targs.data, targs.data_split, tokenizer, targs.seq_len, log=lambda *a: None)
+    return rows.select(range(len(rows) - targs.val_size, len(rows)))
+
+
+def prompts_of(rows, n):
+    """The first n rows' prompts: every token before the first loss (answer) token, (1, P) each."""
+    return [r["input_ids"][None, :int(r["loss_mask"].nonzero()[0])] for r in rows][:n]
+
+
+# -----------------------------------------------------------------------------
+# timing
+
+
+def median_seconds(fns, repeats, warmup=1, device="cpu"):
+    """Median seconds per call of each fn, rounds interleaved so drift hits all alike."""
+    device, times = torch.device(device), {k: [] for k in fns}
+    for r in range(warmup + repeats):
+        for k, fn in fns.items():
+            t0 = dflash2._now(device)
+            fn()
+            if r >= warmup:
+                times[k].append(dflash2._now(device) - t0)
+    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+
+
+# -----------------------------------------------------------------------------
+# statistics: a bootstrap over training seeds and prompts
+
+
+def bootstrap(arrays, fn, n=2000, seed=0):
+    """Two-level bootstrap: each replicate redraws the seeds (rows) and, independently, the
+    prompts (columns) with replacement, and applies fn to the resampled arrays. arrays:
+    tensors (S, P, ...) sharing their seeds and prompts, so a ratio of two of them is paired.
+    fn maps tensors (n, S, P, ...) to (n, ...). -> replicates (n, ...)."""
+    S, P = arrays[0].shape[:2]
+    g = torch.Generator().manual_seed(seed)
+    si, pi = torch.randint(S, (n, S, 1), generator=g), torch.randint(P, (n, 1, P), generator=g)
+    return fn(*(a[si, pi] for a in arrays))
+
+
+def interval(replicates, level=0.95):
+    """Percentile interval of bootstrap replicates (n, ...) -> (lo, hi)."""
+    q = torch.tensor([(1 - level) / 2, (1 + level) / 2], dtype=replicates.dtype)
+    lo, hi = torch.quantile(replicates, q, dim=0)
+    return lo, hi
+
+
+def mean_ci(x):
+    """x (S, P) -> (mean, lo, hi) of the mean over seeds and prompts."""
+    lo, hi = interval(bootstrap([x], lambda a: a.mean((1, 2))))
+    return x.mean().item(), lo.item(), hi.item()
+
+
+def ratio_ci(x, y):
+    """(S, P) each, paired by seed and prompt -> (mean(x) / mean(y), lo, hi)."""
+    lo, hi = interval(bootstrap([x, y], lambda a, b: a.mean((1, 2)) / b.mean((1, 2))))
+    return (x.mean() / y.mean()).item(), lo.item(), hi.item()
+
+
+def slot_ci(accepted, reached):
+    """(S, P, B-1) counts -> per-slot P(accepted | reached) and its (lo, hi) bands."""
+    rate = lambda a, r: a.sum((1, 2)) / r.sum((1, 2)).clamp(min=1)
+    lo, hi = interval(bootstrap([accepted, reached], rate))
+    return rate(accepted[None], reached[None])[0].tolist(), lo.tolist(), hi.tolist()

@@ -1,0 +1,392 @@
+"""
+What DFlash2's two parts cost, at real widths with random weights (nothing downloaded).
+
+  draft   one draft step as serving runs it, for DFlash, +conv, +selector and DFlash2 at a
+          Qwen3-4B-like drafter shape (5 layers, B = 16, K = 16, R = 256), the walk alone,
+          and each variant's floor: the weight bytes its step must read over DFlash's
+          (draft_step_reads), the time ratio of a step bound by reading its weights; a
+          measured ratio above it is what the parts' compute and kernel launches add.
+  train   one training step as train.py takes it (target forward, loss, backward, AdamW),
+          DFlash vs DFlash2, at a small width and the real vocabulary.
+  memory  peak memory of a training step against max_anchors (N) at V = 151936, chunked vs
+          unchunked loss, measured in a fresh process and planned by memory.memory_plan.
+
+python -m bench.cost                 # all three parts: bench_out/cost.json, cost.md, memory.png
+python -m bench.cost --parts draft --device cuda --dtype bfloat16
+python -m bench.cost --quick         # a smoke run at small shapes
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+import dflash2
+from bench.common import QWEN3_4B, median_seconds, qwen3_config, random_target
+from memory import drafter_config, memory_plan
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+
+# name -> the DFlash2Config fields that switch its parts off (0 = off)
+VARIANTS = {
+    "DFlash": dict(conv_kernel_size=0, selector_top_k=0),
+    "+conv": dict(selector_top_k=0),
+    "+selector": dict(conv_kernel_size=0),
+    "DFlash2": {},
+}
+# the draft step's shape: Qwen3-4B's widths and vocabulary; the target needs only its
+# embedding and lm_head here, so 2 layers of it (and 1 context feature) are enough
+DRAFT_TARGET = dict(QWEN3_4B, layers=2)
+QUICK_DRAFT_TARGET = dict(DRAFT_TARGET, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, vocab=32000)
+DRAFT_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[0], selector_rank=256, selector_top_k=16,
+                     conv_kernel_size=2, conv_group_size=16)
+TRAIN_TARGET = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=151936)
+TRAIN_DRAFTER = dict(num_layers=2, block_size=8, target_layer_ids=[0, 2], conv_group_size=16)
+TRAIN_BATCH = dict(batch_size=2, seq_len=256, max_anchors=64, loss_chunk=1024)
+
+
+def variant_drafters(target_config, names=tuple(VARIANTS), dtype=torch.float32, device="cpu", **overrides):
+    """The named variants of the DFlash2 drafter that `overrides` describe, over one shared
+    backbone (the same tensors, not copies), with every weight moved off its init (the
+    DFlash2 parts start at the identity) so that both parts do real work."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        full = dflash2.DFlash2Drafter(drafter_config(target_config, **overrides)).to(dtype)
+    with torch.no_grad():
+        for p in full.parameters():
+            p.add_(torch.randn_like(p) * 0.01)
+    shared, drafters = full.state_dict(), {}
+    for name in names:
+        if name == "DFlash2":
+            drafters[name] = full
+            continue
+        with torch.device("meta"):  # no memory: the tensors come from `full`
+            d = dflash2.DFlash2Drafter(drafter_config(target_config, **{**overrides, **VARIANTS[name]}))
+        d.load_state_dict({k: shared[k] for k in d.state_dict()}, assign=True)
+        drafters[name] = d
+    return drafters
+
+
+# -----------------------------------------------------------------------------
+# draft step
+
+
+def draft_step_reads(c):
+    """Weight elements one draft step reads at least once (the floor of a step bound by
+    memory), with the context already cached, so fc reads nothing:
+      backbone  every draft layer's weights and the final norm, the target's lm_head (V·H)
+                and the B embedding rows of the block;
+      conv      per layer, both LocalConvs' base kernels and kernel projections:
+                2 · (2·Kc·H + H · 2·Kc·H/G);
+      selector  hidden_projection (R·H, once: the walk applies it slot by slot, but its
+                repeat reads are cache hits) and the codebook rows the walk gathers, per
+                slot one predecessor row and K successor rows: (B−1)·(K+1)·R.
+    -> {"backbone", "conv", "selector": elements} (conv / selector 0 when off)."""
+    H, I, B, V = c.hidden_size, c.intermediate_size, c.block_size, c.vocab_size
+    Q, KV = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    layer = 2 * H + H * Q + 2 * H * KV + Q * H + 2 * c.head_dim + 3 * H * I  # norms, attention (q/k_norm), MLP
+    Kc, G = c.conv_kernel_size, c.conv_group_size
+    return {"backbone": c.num_layers * layer + H + V * H + B * H,
+            "conv": c.num_layers * 2 * (2 * Kc * H + H * 2 * Kc * (H // G)) if Kc else 0,
+            "selector": c.selector_rank * H + (B - 1) * (c.selector_top_k + 1) * c.selector_rank
+            if c.selector_top_k else 0}
+
+
+@torch.no_grad()
+def draft_step(drafter, target, context):
+    """One draft step as serving runs it: the drafter's forward over one block [anchor, MASK,
+    ...] with `context` tokens of context already in its cache (put there now, from random
+    features), the target's lm_head on the B−1 slots, then propose: top-K and the walk, or
+    the unary argmax with the selector off. -> (forward, step): forward() -> (h, unary
+    logits, anchor), propose's inputs; step() = propose(*forward())."""
+    c, dtype, dev = drafter.config, drafter.fc.weight.dtype, target.device
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    block = torch.full((1, c.block_size), c.mask_token_id, device=dev)
+    block[0, 0] = 1  # the anchor: any token
+    pos = torch.arange(context, context + c.block_size, device=dev)[None]
+    cache = dflash2.DraftCache(c.num_layers)
+    features = torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=dtype)
+    drafter(embed(block).to(dtype), pos, features, torch.arange(context, device=dev)[None], cache=cache)
+
+    @torch.no_grad()
+    def forward():  # no new context this step
+        h = drafter(embed(block).to(dtype), pos, features[:, :0], pos[:, :0], cache=cache)[:, 1:]
+        return h, lm_head(h.to(lm_head.weight.dtype)).float(), block[:, 0]
+
+    @torch.no_grad()
+    def step():
+        return drafter.propose(*forward())
+    return forward, step
+
+
+def draft_step_cost(target, drafters, context=1024, repeats=20, warmup=2):
+    """Median seconds of one draft_step per drafter, rounds interleaved. Adds "walk alone":
+    the walk of the last drafter with a selector, on one step's h and logits."""
+    fns, walker = {}, None
+    for name, d in drafters.items():
+        forward, fns[name] = draft_step(d, target, context)
+        if d.config.selector_top_k:
+            walker, inputs = d.candidate_selector, forward()
+    if walker:
+        fns["walk alone"] = torch.no_grad()(lambda: walker.walk(*inputs))
+    return median_seconds(fns, repeats, warmup, device=target.device)
+
+
+def draft_report(seconds, configs, itemsize):
+    """Per variant: ms and × DFlash measured; the weight bytes its step reads and the
+    floor's × DFlash (bytes / DFlash's bytes) next to it."""
+    reads = {k: itemsize * sum(draft_step_reads(c).values()) for k, c in configs.items()}
+    return {k: {"ms": 1e3 * s, "ratio_vs_dflash": s / seconds["DFlash"],
+                **({"weight_bytes": reads[k], "floor_ratio_vs_dflash": reads[k] / reads["DFlash"]} if k in reads else {})}
+            for k, s in seconds.items()}
+
+
+def draft_part(device, dtype, context, repeats, quick, names=tuple(VARIANTS)):
+    """draft_step_cost of the named variants at DRAFT_TARGET's shape (QUICK_DRAFT_TARGET's
+    with quick), with draft_report's floors."""
+    target_shape = QUICK_DRAFT_TARGET if quick else DRAFT_TARGET
+    target = random_target(dtype=dtype, device=device, **target_shape)
+    drafters = variant_drafters(target.config, names, dtype=dtype, device=device,
+                                mask_token_id=target_shape["vocab"] - 1, **DRAFT_DRAFTER)
+    seconds = draft_step_cost(target, drafters, context, repeats, warmup=1 if quick else 3)
+    return {"shape": {**target_shape, **DRAFT_DRAFTER, "context": context, "dtype": str(dtype).removeprefix("torch."),
+                      "device": str(device), "repeats": repeats},
+            "variants": draft_report(seconds, {k: d.config for k, d in drafters.items()}, dtype.itemsize)}
+
+
+# -----------------------------------------------------------------------------
+# training step
+
+
+def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generator):
+    """One optimizer step as train.py takes it, loss_mask = all ones: the target's decoder
+    with hidden states (its lm_head only inside the loss), anchors, the loss without
+    metrics under bf16 autocast on CUDA, backward, AdamW. -> loss (tensor)."""
+    ones = torch.ones_like(ids)
+    with torch.no_grad():
+        hidden = target.get_decoder()(input_ids=ids, attention_mask=ones, output_hidden_states=True).hidden_states
+    anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
+        loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors.to(ids.device),
+                                       valid.to(ids.device), chunk_size=loss_chunk, with_metrics=False)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.detach()
+
+
+def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chunk=1024, repeats=5, warmup=1):
+    """Median seconds of one train_step per drafter, rounds interleaved; each drafter has
+    its own AdamW, whose state the warm-up round creates. -> {name: seconds}."""
+    dev = target.device
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, target.config.vocab_size - 1, (batch_size, seq_len), generator=g).to(dev)
+    fns = {}
+    for name, d in drafters.items():
+        opt = torch.optim.AdamW(d.parameters(), lr=1e-6)
+        fns[name] = lambda d=d, opt=opt: train_step(d, target, opt, ids, max_anchors, loss_chunk, g)
+    return median_seconds(fns, repeats, warmup, device=dev)
+
+
+def train_part(device, repeats, quick):
+    """train_step_cost of DFlash and DFlash2 at TRAIN_TARGET's shape (smaller with quick)."""
+    target_shape = dict(TRAIN_TARGET, vocab=4096) if quick else TRAIN_TARGET
+    batch = dict(TRAIN_BATCH, seq_len=64, max_anchors=8) if quick else TRAIN_BATCH
+    target = random_target(device=device, **target_shape)
+    drafters = variant_drafters(target.config, ("DFlash", "DFlash2"), device=device,
+                                mask_token_id=target_shape["vocab"] - 1, **TRAIN_DRAFTER)
+    seconds = train_step_cost(target, drafters, **batch, repeats=repeats, warmup=1)
+    return {"shape": {**target_shape, **TRAIN_DRAFTER, **batch, "device": str(device), "repeats": repeats},
+            "ms": {k: 1e3 * v for k, v in seconds.items()},
+            "ratio_dflash2_vs_dflash": seconds["DFlash2"] / seconds["DFlash"],
+            "tokens_per_s": {k: batch["batch_size"] * batch["seq_len"] / v for k, v in seconds.items()}}
+
+
+# -----------------------------------------------------------------------------
+# memory table: peak memory of a training step, in a fresh process
+
+
+def _status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+
+def _measure_child(spec):
+    """In a fresh process: build target and drafter, take two steps (the second has AdamW
+    state), print as JSON the peak RSS above the RSS left after a tiny warm-up run. The
+    peak is the kernel's high-water mark, reset after the warm-up (not ru_maxrss: that one
+    starts at the RSS of the parent the process was forked from)."""
+    torch.set_num_threads(1)
+    tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
+    warm = dict(spec, target=tiny, seq_len=16, max_anchors=2, batch_size=1, loss_chunk=spec["loss_chunk"] and 4)
+    _run(warm)  # lazy imports, kernel and thread-pool set-up are not the step's memory
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
+    base = _status("VmRSS")
+    seconds = _run(spec)
+    print(json.dumps({"peak": _status("VmHWM") - base, "seconds": seconds}))
+
+
+def _run(spec):
+    target = random_target(**spec["target"])
+    drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **spec["drafter"]))
+    drafter.grad_checkpoint = spec["grad_checkpoint"]
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, spec["target"]["vocab"] - 1, (spec["batch_size"], spec["seq_len"]), generator=g)
+    start = time.perf_counter()
+    for _ in range(2):
+        train_step(drafter, target, optimizer, ids, spec["max_anchors"], spec["loss_chunk"], g)
+    return (time.perf_counter() - start) / 2
+
+
+def measure_peak(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False):
+    """Peak CPU memory (bytes above the interpreter's own) of training steps at this shape,
+    in a subprocess with malloc returning every large block to the system on free, so peak
+    RSS is peak allocation. target: random_target's arguments; drafter: DFlash2Config
+    overrides. -> {"peak": bytes, "seconds": per step}."""
+    spec = dict(target=target, drafter=drafter, seq_len=seq_len, max_anchors=max_anchors, batch_size=batch_size,
+                loss_chunk=loss_chunk, grad_checkpoint=grad_checkpoint)
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
+    code = f"import json; from bench import cost; cost._measure_child(json.loads({json.dumps(json.dumps(spec))}))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"memory measurement failed ({spec}):\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1024, block_size=4, loss_chunk=128):
+    """Peak memory of one training step against max_anchors at a real vocabulary and a small
+    width, chunked loss vs all slots at once, measured and planned (fp32 on the CPU).
+    block_size 4 keeps the unchunked line inside a 23 GB machine at 512 anchors.
+    -> {"shape", "rows": [{anchors, measured and planned MiB, chunked and unchunked}]}."""
+    target = dict(hidden=hidden, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=2 * hidden, vocab=vocab)
+    drafter = dict(num_layers=1, block_size=block_size, selector_rank=32, conv_group_size=16)
+    rows = []
+    for n in anchors:
+        row = {"anchors": n}
+        for name, chunk in (("chunked", loss_chunk), ("unchunked", None)):
+            row[f"{name}_mib"] = measure_peak(target, drafter, seq_len, n, loss_chunk=chunk)["peak"] / 2 ** 20
+            plan = memory_plan(qwen3_config(**target), seq_len, n, loss_chunk=chunk, amp=False, target_bytes=4,
+                               **drafter)
+            row[f"{name}_plan_mib"] = plan["peak"] / 2 ** 20
+        rows.append(row)
+    return {"shape": dict(vocab=vocab, hidden=hidden, seq_len=seq_len, block_size=block_size, loss_chunk=loss_chunk),
+            "rows": rows}
+
+
+def plot_memory_table(table, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows, s = table["rows"], table["shape"]
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    anchors = [r["anchors"] for r in rows]
+    for name, style in (("unchunked", "o-"), ("chunked", "s-")):
+        ax.plot(anchors, [r[f"{name}_mib"] for r in rows], style, label=f"{name} loss, measured")
+        ax.plot(anchors, [r[f"{name}_plan_mib"] for r in rows], ":", color=ax.lines[-1].get_color(),
+                label=f"{name} loss, plan")
+    ax.set(xlabel="max anchors N", ylabel="peak memory of a step (MiB)", xticks=anchors,
+           title=f"V={s['vocab']}, H={s['hidden']}, S={s['seq_len']}, B={s['block_size']}, chunk {s['loss_chunk']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# -----------------------------------------------------------------------------
+# report
+
+
+def markdown(results):
+    lines = []
+    if "draft" in results:
+        d = results["draft"]
+        lines += [f"Draft step at {d['shape']}: median ms; floor = weight bytes read, × DFlash's", "",
+                  "| variant | ms | × DFlash | weights read (MB) | floor × DFlash |", "|---|---|---|---|---|"]
+        for k, v in d["variants"].items():
+            reads = f"{v['weight_bytes'] / 1e6:.0f} | {v['floor_ratio_vs_dflash']:.3f}" if "weight_bytes" in v \
+                else "- | -"
+            lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_vs_dflash']:.3f} | {reads} |")
+        lines.append("")
+    if "train" in results:
+        t = results["train"]
+        lines += [f"Training step (target forward, loss, backward, AdamW) at {t['shape']}: DFlash "
+                  f"{t['ms']['DFlash']:.0f} ms, DFlash2 {t['ms']['DFlash2']:.0f} ms "
+                  f"(× {t['ratio_dflash2_vs_dflash']:.3f})", ""]
+    if "memory" in results:
+        m = results["memory"]
+        lines += [f"Peak memory of a training step at {m['shape']}, measured (planned), MiB", "",
+                  "| anchors | chunked loss | unchunked loss |", "|---|---|---|"]
+        lines += [f"| {r['anchors']} | {r['chunked_mib']:.0f} ({r['chunked_plan_mib']:.0f}) | "
+                  f"{r['unchunked_mib']:.0f} ({r['unchunked_plan_mib']:.0f}) |" for r in m["rows"]]
+        lines.append("")
+    return "\n".join(lines)
+
+
+PARTS = ("draft", "train", "memory")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.cost", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS),
+                   help=f"comma-separated subset of: {', '.join(PARTS)}")
+    p.add_argument("--out-dir", default="bench_out", help="where cost.json, cost.md and memory.png go")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="device of the draft and training steps (the memory table is the CPU's)")
+    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
+                   choices=["float32", "bfloat16", "float16"], help="weights of the draft step")
+    p.add_argument("--repeats", type=int, default=20, help="timed rounds of the draft and training steps (medians)")
+    p.add_argument("--context", type=int, default=1024, help="context tokens already in the drafter's cache")
+    p.add_argument("--quick", action="store_true", help="small shapes, 64 tokens of context, one round: a smoke run")
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Bad flags fail here, before any work."""
+    unknown = set(args.parts) - set(PARTS)
+    if unknown or not args.parts:
+        raise ValueError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
+    if args.repeats < 1 or args.context < 1:
+        raise ValueError(f"--repeats ({args.repeats}) and --context ({args.context}) must be >= 1")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device (cpu, cuda, cuda:1, ...)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: no CUDA device here")
+
+
+def main(args):
+    check_args(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    repeats, results, t0 = 1 if args.quick else args.repeats, {}, time.time()
+    if "draft" in args.parts:
+        results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.dtype),
+                                      min(args.context, 64) if args.quick else args.context, repeats, args.quick)
+    if "train" in args.parts:
+        results["train"] = train_part(torch.device(args.device), repeats, args.quick)
+    if "memory" in args.parts:
+        results["memory"] = memory_table(anchors=(8, 16), vocab=4096, seq_len=64, loss_chunk=8) if args.quick \
+            else memory_table()
+        plot_memory_table(results["memory"], os.path.join(args.out_dir, "memory.png"))
+    results["wall_seconds"] = time.time() - t0
+    report = markdown(results)
+    print(report)
+    with open(os.path.join(args.out_dir, "cost.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(args.out_dir, "cost.md"), "w") as f:
+        f.write(report + "\n")
+    print(f"wall time {results['wall_seconds']:.0f}s; results in {os.path.abspath(args.out_dir)}")
+    return results
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad flags: one line, before any work
+        raise SystemExit(f"bench.cost: {e}") from None
