@@ -33,7 +33,6 @@ R selector rank, Kc conv taps, G channels per conv group, nh/nkv query/key-value
 hd head dim, nf target feature layers, M blocks walked at once, T temperature (only).
 """
 import math
-import os
 import time
 import dataclasses
 import functools

@@ -23,7 +23,6 @@ after each seed, ablation_so_far.md.
 """
 import argparse
 import dataclasses
-import json
 import math
 import os
 import shlex
@@ -33,7 +32,7 @@ import time
 import torch
 
 import dflash2 as D
-from bench.common import mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows
+from bench.common import mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 SOFT = "DFlash2 (soft labels)"  # DFlash2 trained with --selector-labels soft, an option of §6
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
@@ -324,13 +323,7 @@ def main(args):
     results = ablation(args, settings)
     results["wall_seconds"] = time.time() - t0
     plot(results, os.path.join(args.out_dir, "per_slot_acceptance.png"))
-    report = markdown(results)
-    print(report)
-    with open(os.path.join(args.out_dir, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out_dir, "results.md"), "w") as f:
-        f.write(report + "\n")
-    print(f"wall time {results['wall_seconds']:.0f}s; results in {os.path.abspath(args.out_dir)}")
+    write_results(args.out_dir, "results", results, markdown(results))
     return results
 
 

@@ -3,6 +3,9 @@ What the bench's modules share: Qwen3 targets at real shapes with random weights
 held-out prompts of train.py's validation rows, interleaved median timing, and the
 two-level bootstrap (training seeds × prompts) behind every interval the bench reports.
 """
+import json
+import os
+
 import torch
 
 import dflash2
@@ -107,3 +110,13 @@ def slot_ci(accepted, reached):
     rate = lambda a, r: a.sum((1, 2)) / r.sum((1, 2)).clamp(min=1)
     lo, hi = interval(bootstrap([accepted, reached], rate))
     return rate(accepted[None], reached[None])[0].tolist(), lo.tolist(), hi.tolist()
+
+
+def write_results(out_dir, stem, results, report):
+    """Print the markdown report and write it and the raw results as out_dir/stem.{md,json}."""
+    print(report)
+    with open(os.path.join(out_dir, f"{stem}.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    with open(os.path.join(out_dir, f"{stem}.md"), "w") as f:
+        f.write(report + "\n")
+    print(f"wall time {results['wall_seconds']:.0f}s; results in {os.path.abspath(out_dir)}")

@@ -25,7 +25,7 @@ import time
 import torch
 
 import dflash2
-from bench.common import QWEN3_4B, median_seconds, qwen3_config, random_target
+from bench.common import QWEN3_4B, median_seconds, qwen3_config, random_target, write_results
 from memory import drafter_config, memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -375,13 +375,7 @@ def main(args):
             else memory_table()
         plot_memory_table(results["memory"], os.path.join(args.out_dir, "memory.png"))
     results["wall_seconds"] = time.time() - t0
-    report = markdown(results)
-    print(report)
-    with open(os.path.join(args.out_dir, "cost.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    with open(os.path.join(args.out_dir, "cost.md"), "w") as f:
-        f.write(report + "\n")
-    print(f"wall time {results['wall_seconds']:.0f}s; results in {os.path.abspath(args.out_dir)}")
+    write_results(args.out_dir, "cost", results, markdown(results))
     return results
 
 

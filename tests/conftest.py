@@ -1,6 +1,7 @@
 """Shared builders and fixtures of the tests in this folder: tiny random Qwen3 targets built
-from a transformers config (nothing downloaded), random DFlash2 drafters for them, and the
-single-thread fixture that tiny models need on a busy CPU."""
+from a transformers config (nothing downloaded), random DFlash2 drafters for them, the
+single-thread fixture that tiny models need on a busy CPU, and the chi-square test of a sampler's law."""
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -52,3 +53,36 @@ def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
             elif "_conv." in name:
                 p.add_(0.3 * torch.randn_like(p))
     return drafter.to(dtype).eval()
+
+
+def chi_square_pvalue(counts, probs, what):
+    """Pearson chi-square of counts against probs, both indexed by outcome tuples
+    (..., last coordinate). Cells expecting fewer than 5 samples are pooled per prefix
+    (the last coordinate summed out), repeatedly; what is left at the top is one bin."""
+    n = counts.sum()
+    impossible = counts[probs <= 0].sum()
+    assert impossible == 0, f"{what}: {impossible} samples fell on outcomes of probability 0"
+    obs, exp, c, e = [], [], counts.astype(float), probs * n
+    while c.ndim:
+        big = e >= 5
+        obs, exp = obs + c[big].tolist(), exp + e[big].tolist()
+        c, e = np.where(big, 0, c).sum(-1), np.where(big, 0, e).sum(-1)
+    if e > 0:
+        obs, exp = obs + [c], exp + [e]
+    assert len(obs) >= 2, f"{what}: {n} samples fill fewer than 2 bins"
+    obs, exp = np.array(obs, dtype=float), np.array(exp) * n / sum(exp)
+    stat = ((obs - exp) ** 2 / exp).sum()
+    # the chi-square tail with len(obs) - 1 degrees of freedom: Q(dof/2, stat/2)
+    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def replace_q(monkeypatch, drafter, q_of):
+    """A wrong-q mutant: drafter.propose keeps its drafts but returns q_of(unary, cand, T) as
+    the law they were drawn from, so verification uses that q instead."""
+    propose = drafter.propose
+
+    def mutant(h, unary, anchor, temperature=0.0, generator=None, **filters):
+        path, cand, _ = propose(h, unary, anchor, temperature, generator, **filters)
+        return path, cand, q_of(unary, cand, temperature)
+    monkeypatch.setattr(drafter, "propose", mutant)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import tiny_drafter, tiny_qwen3
+from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
 
@@ -267,28 +267,6 @@ def test_verifier_law_needs_the_conditional_q():
     assert err > 1e-3, f"a predecessor-blind q moved the emitted joint by only {err:.3g}: the exact-law test has no power"
 
 
-def chi_square_pvalue(counts, probs, what):
-    """Pearson chi-square of counts against probs, both indexed by outcome tuples
-    (..., last coordinate). Cells expecting fewer than 5 samples are pooled per prefix
-    (the last coordinate summed out), repeatedly; what is left at the top is one bin."""
-    n = counts.sum()
-    impossible = counts[probs <= 0].sum()
-    assert impossible == 0, f"{what}: {impossible} samples fell on outcomes of probability 0"
-    obs, exp, c, e = [], [], counts.astype(float), probs * n
-    while c.ndim:
-        big = e >= 5
-        obs, exp = obs + c[big].tolist(), exp + e[big].tolist()
-        c, e = np.where(big, 0, c).sum(-1), np.where(big, 0, e).sum(-1)
-    if e > 0:
-        obs, exp = obs + [c], exp + [e]
-    assert len(obs) >= 2, f"{what}: {n} samples fill fewer than 2 bins"
-    obs, exp = np.array(obs, dtype=float), np.array(exp) * n / sum(exp)
-    stat = ((obs - exp) ** 2 / exp).sum()
-    # the chi-square tail with len(obs) - 1 degrees of freedom: Q(dof/2, stat/2)
-    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def test_a_token_the_target_never_emits_is_never_accepted():
     """p[token] = q[token] = 0 made the ratio NaN, and `u >= NaN` is False: the token was kept."""
     p = torch.tensor([[0.0, 0.5, 0.5, 0.0], [0.25, 0.25, 0.25, 0.25]], dtype=torch.float64)
@@ -470,19 +448,9 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
     if q_kind in ("unary", "unfiltered unary q"):
         drafter = without_selector(drafter)
     if q_kind == "unfiltered unary q":
-        propose = drafter.propose
-
-        def unfiltered_q(h, unary, anchor, temperature=0.0, generator=None, **filters):
-            path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
-            return path, cand, torch.softmax(unary / temperature, -1)
-        monkeypatch.setattr(drafter, "propose", unfiltered_q)
+        replace_q(monkeypatch, drafter, lambda unary, cand, T: torch.softmax(unary / T, -1))
     if q_kind == "unary top-K":
-        propose = drafter.propose
-
-        def wrong_q(h, unary, anchor, temperature=0.0, generator=None, **filters):
-            path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
-            return path, cand, torch.softmax(unary.gather(-1, cand) / temperature, -1)
-        monkeypatch.setattr(drafter, "propose", wrong_q)
+        replace_q(monkeypatch, drafter, lambda unary, cand, T: torch.softmax(unary.gather(-1, cand) / T, -1))
     g, counts, first_cycle = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), []
     for _ in range(LOOP_RUNS):
         out, stats = spec_generate(drafter, target, torch.tensor([LOOP_PROMPT]), 4, temperature, top_p, top_k, generator=g)

@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2 as D
-from conftest import tiny_drafter, tiny_qwen3
+from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -87,28 +87,6 @@ def test_greedy_spec_generate_equals_target_on_cuda(fp32_matmuls, monkeypatch, p
 LOOP_V, LOOP_PROMPT, LOOP_RUNS = 8, (1, 2, 3), 200
 
 
-def chi_square_pvalue(counts, probs, what):
-    """Pearson chi-square of counts against probs, both indexed by outcome tuples
-    (..., last coordinate). Cells expecting fewer than 5 samples are pooled per prefix
-    (the last coordinate summed out), repeatedly; what is left at the top is one bin."""
-    n = counts.sum()
-    impossible = counts[probs <= 0].sum()
-    assert impossible == 0, f"{what}: {impossible} samples fell on outcomes of probability 0"
-    obs, exp, c, e = [], [], counts.astype(float), probs * n
-    while c.ndim:
-        big = e >= 5
-        obs, exp = obs + c[big].tolist(), exp + e[big].tolist()
-        c, e = np.where(big, 0, c).sum(-1), np.where(big, 0, e).sum(-1)
-    if e > 0:
-        obs, exp = obs + [c], exp + [e]
-    assert len(obs) >= 2, f"{what}: {n} samples fill fewer than 2 bins"
-    obs, exp = np.array(obs, dtype=float), np.array(exp) * n / sum(exp)
-    stat = ((obs - exp) ** 2 / exp).sum()
-    # the chi-square tail with len(obs) - 1 degrees of freedom: Q(dof/2, stat/2)
-    return float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 @pytest.fixture(scope="module")
 def loop_models():
     """V = 8 peaked fp32 target on the GPU; drafter with B = 4 and K = 4 < V candidates, q
@@ -142,12 +120,7 @@ def test_spec_generate_samples_the_target_law_on_cuda(monkeypatch, loop_models, 
     softmax over the candidates instead of the walk's q: the same test must reject it."""
     target, drafter = loop_models
     if q_kind == "unary top-K":
-        propose = drafter.propose
-
-        def wrong_q(h, unary, anchor, temperature=0.0, generator=None, **filters):
-            path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
-            return path, cand, torch.softmax(unary.gather(-1, cand) / temperature, -1)
-        monkeypatch.setattr(drafter, "propose", wrong_q)
+        replace_q(monkeypatch, drafter, lambda unary, cand, T: torch.softmax(unary.gather(-1, cand) / T, -1))
     g, counts, first_cycle = torch.Generator("cuda").manual_seed(0), np.zeros((LOOP_V,) * 3), []
     prompt = torch.tensor([LOOP_PROMPT]).cuda()
     for _ in range(LOOP_RUNS):
