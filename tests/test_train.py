@@ -313,3 +313,24 @@ def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_
     assert plan["max_batch_size"] == 0 and not (tmp_path / "out").exists(), plan
     with pytest.raises(ValueError, match="cannot read the target's config at .*nowhere"):
         T.train(T.parse_args(["--target", str(tmp_path / "nowhere"), "--plan"]))
+
+
+def test_dry_run_writes_the_untrained_export_and_the_serving_commands(world, tmp_path, no_target_load, capsys):
+    """--dry-run reads the target's config and tokenizer only (no weights, no data) and writes
+    the export of the drafter shape the flags ask for, which loads back with that shape; it
+    prints each engine's command with this export's path and block size (vLLM: B - 1)."""
+    out = tmp_path / "dry"
+    T.train(T.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--out-dir", str(out),
+                          "--block-size", "6", "--num-layers", "1", "--selector-rank", "8", "--dry-run"]))
+    drafter = DFlash2Drafter.from_pretrained(out / "checkpoint")
+    target = AutoConfig.from_pretrained(world["target"])
+    c = drafter.config
+    assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
+        (6, 1, 8, target.hidden_size, target.num_hidden_layers), f"exported shape {c}"
+    printed = capsys.readouterr().out
+    path = str((out / "checkpoint").absolute())
+    for engine, count in (("vllm serve", '"num_speculative_tokens": 5'), ("sglang.launch_server",
+                                                                         "--speculative-num-draft-tokens 6"),
+                          ("dflash generate", "--draft")):
+        line = next((l for l in printed.splitlines() if engine in l), "")
+        assert path in line and count in line, f"{engine}: {line!r} lacks {path} or {count}\n{printed}"
