@@ -482,7 +482,7 @@ class DFlash2Drafter(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, **overrides):
         import checkpoint
-        return checkpoint.load_export(cls, DFlash2Config, path, dtype, **overrides)
+        return checkpoint.load_export(cls, DFlash2Config, path, dtype, **known_fields(overrides))
 
 
 # -----------------------------------------------------------------------------

@@ -335,3 +335,9 @@ def test_pickled_weights_are_never_unpickled(tmp_path, saved_checkpoint):
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         DFlash2Drafter.from_pretrained(path)
     assert not marker.exists(), "loading a checkpoint ran pickle"
+
+
+def test_an_unknown_override_is_refused_by_name(target, tmp_path):
+    checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
+        DFlash2Drafter.from_pretrained(tmp_path / "ckpt", blocksize=4)
