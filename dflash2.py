@@ -559,13 +559,16 @@ def head_logits(lm_head, x):
     return y.to(torch.promote_types(y.dtype, torch.float32))
 
 
-def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False, selector_labels="argmax"):
+def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False, selector_labels="argmax",
+                soft_labels_at=None):
     """The §6 terms of each slot, for slots laid out any way (...):
 
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
                 ce: −log q_y,                     y = argmax ref (the target's token)
         sel     −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(unary, K), E the edge scores (§3)
-                π = one-hot(y) ("argmax") or p ("soft"), restricted to C
+                π = one-hot(y) ("argmax") or, "soft", p — or with soft_labels_at = (T, top_p, top_k)
+                the target's law at that sampling setting, sampling_probs(ref, T, top_p, top_k) —
+                restricted to C
 
     h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
     predecessor ids -> (unary term, selector term, Σ_{c∈C} π_c: the slot's selector weight),
@@ -574,6 +577,7 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
     label = ref.argmax(-1)
     soft = selector is not None and selector_labels == "soft"
     p = F.softmax(ref, dim=-1) if loss_type == "kl" or soft else None  # (..., V): only where a term needs it
+    p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
     if loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
         term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
     else:
@@ -582,17 +586,18 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
         return term, None, None
     h, unary = (h.detach(), unary.detach()) if detach_selector else (h, unary)
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
-    pi = p.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
+    pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
     log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 
-def weighted_sums(selector, lm_head, loss_type, detach_selector, selector_labels, h, ref_h, prev, w):
+def weighted_sums(selector, lm_head, loss_options, h, ref_h, prev, w):
     """Σ w·unary term, and with a selector Σ w·selector term and Σ w·(selector weight), for
-    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,).
-    Only (n, V) logits live here, so n bounds the loss's memory."""
-    term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector, loss_type,
-                                  detach_selector, selector_labels)
+    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,);
+    loss_options: slot_losses' keywords. Only (n, V) logits live here, so n bounds the
+    loss's memory."""
+    term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
+                                  **loss_options)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
@@ -600,7 +605,7 @@ def weighted_sums(selector, lm_head, loss_type, detach_selector, selector_labels
 
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
                  loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True,
-                 forward=None, weight_sums=None, selector_labels="argmax"):
+                 forward=None, weight_sums=None, selector_labels="argmax", soft_labels_at=None):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
@@ -608,8 +613,9 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     lm_head(hidden_states[-1][t - 1]) (HF's last hidden state is after the final norm) for
     counted slots only. L_unary = Σ w·term / Σ w, w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m,
     m = the labels' mass on the top-K: with argmax labels 1[y ∈ C], so slots the selector
-    could never get right are left out; with soft labels Σ_{c∈C} p(c). The terms are
-    slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
+    could never get right are left out; with soft labels Σ_{c∈C} p(c), p the target's law
+    at the sampling setting soft_labels_at = (T, top_p, top_k), or softmax if None. The
+    terms are slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
 
     chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
     slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
@@ -622,6 +628,13 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
     if selector_labels not in ("argmax", "soft"):
         raise ValueError(f"selector_labels ({selector_labels!r}) must be 'argmax' or 'soft'")
+    if soft_labels_at is not None:
+        if selector_labels != "soft":
+            raise ValueError(f"soft_labels_at ({soft_labels_at}) needs selector_labels='soft'")
+        t, top_p, top_k = soft_labels_at
+        if not (0 < t < math.inf and 0 < top_p <= 1 and isinstance(top_k, int) and top_k >= 0):
+            raise ValueError(f"soft_labels_at ({soft_labels_at}) must be (temperature > 0, top_p in (0, 1], "
+                             "integer top_k >= 0)")
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
     if not alpha >= 0:
@@ -651,8 +664,9 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, loss_type, detach_selector,
-                             selector_labels)
+    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head,
+                             dict(loss_type=loss_type, detach_selector=detach_selector, selector_labels=selector_labels,
+                                  soft_labels_at=soft_labels_at))
     n = chunk_size or max(1, len(idx))
     parts = []
     for i in range(0, max(1, len(idx)), n):

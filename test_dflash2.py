@@ -22,6 +22,7 @@ S = 20                    # sequence length of the test batch
 LAYER_IDS = [0, 2]        # two context features out of the target's four layers
 WIDE_K = 32               # a top-K that holds about a third of the labels of a random drafter,
                           # so the selector loss sees slots in and out of its candidates
+SERVED = (0.7, 0.6, 14)   # soft_labels_at: top-k keeps 14 of the V tokens, then top-p 8 or 9 of them
 # anchors of the test batch: row 0 has a block at 0 (empty context), a block whose slot 1
 # is outside loss_mask (9) and one running past the end (18); row 1 is right-padded from
 # 14 on, its block at 12 runs into the padding and its last two anchors are padding
@@ -238,6 +239,21 @@ def ref_topk(unary, k):
     return sorted(range(unary.shape[-1]), key=lambda v: -unary[v].item())[:k]
 
 
+def ref_filtered_law(logits, temperature, top_p, top_k):
+    """The law at a sampling setting, token by token: the top_k largest logits, softmax(·/T)
+    over them, then the most likely tokens in order until their mass reaches top_p,
+    renormalised. -> {token: probability} over its support."""
+    order = sorted(range(len(logits)), key=lambda v: -logits[v].item())[:top_k or None]
+    z = sum(math.exp(logits[v].item() / temperature) for v in order)
+    kept, mass = [], 0.0
+    for v in order:
+        if mass >= top_p:
+            break
+        kept.append(v)
+        mass += math.exp(logits[v].item() / temperature) / z
+    return {v: math.exp(logits[v].item() / temperature) / z / mass for v in kept}
+
+
 def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True):
     """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
     with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
@@ -347,7 +363,11 @@ def test_training_functions_refuse_bad_arguments(target, batch):
                         (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
                         (dict(alpha=-1.0), r"alpha \(-1.0\) must be >= 0"),
                         (dict(chunk_size=0), r"chunk_size \(0\) must be >= 1"),
-                        (dict(selector_labels="top1"), r"selector_labels \('top1'\) must be 'argmax' or 'soft'")):
+                        (dict(selector_labels="top1"), r"selector_labels \('top1'\) must be 'argmax' or 'soft'"),
+                        (dict(soft_labels_at=(1.0, 0.9, 20)), r"soft_labels_at \(\(1.0, 0.9, 20\)\) needs "
+                                                              r"selector_labels='soft'"),
+                        (dict(selector_labels="soft", soft_labels_at=(0.0, 0.9, 20)),
+                         r"soft_labels_at \(\(0.0, 0.9, 20\)\) must be \(temperature > 0")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
@@ -783,9 +803,10 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
     drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
     sel, gamma, alpha = drafter.candidate_selector, 2.5, 0.7
     seen = {}
-    for loss_type, labels in (("kl", "argmax"), ("ce", "argmax"), ("kl", "soft"), ("ce", "soft")):
+    for loss_type, labels in (("kl", "argmax"), ("ce", "argmax"), ("kl", "soft"), ("ce", "soft"), ("kl", "served")):
+        kw = dict(selector_labels="soft", soft_labels_at=SERVED) if labels == "served" else dict(selector_labels=labels)
         loss, stats, h, unary = loss_and_logits(drafter, target, batch, loss_type=loss_type, gamma=gamma, alpha=alpha,
-                                                selector_labels=labels)
+                                                **kw)
         logits = model_logits(target, batch)
         num = den = sel_num = sel_den = 0.0
         for n, j, k, t in counted_slots(batch, ANCHORS, VALID):
@@ -802,9 +823,11 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
             if labels == "argmax" and label in cand:
                 sel_num += w * -log_sel[cand.index(label)].item()
                 sel_den += w
-            elif labels == "soft":
-                sel_num += w * sum(-logp[c].exp().item() * log_sel[i].item() for i, c in enumerate(cand))
-                sel_den += w * sum(logp[c].exp().item() for c in cand)
+            elif labels in ("soft", "served"):
+                law = ref_filtered_law(ref, *SERVED) if labels == "served" else {v: math.exp(x) for v, x in
+                                                                                 enumerate(logp.tolist())}
+                sel_num += w * sum(-law.get(c, 0.0) * log_sel[i].item() for i, c in enumerate(cand))
+                sel_den += w * sum(law.get(c, 0.0) for c in cand)
         unary_ref, sel_ref = num / den, sel_num / sel_den
         where = f"{loss_type}, {labels} labels"
         assert abs(stats["unary_loss"] - unary_ref) < 1e-5 * (1 + unary_ref), \
@@ -815,7 +838,8 @@ def test_unary_and_selector_loss_equal_loops(target, batch):
         total = unary_ref + alpha * sel_ref
         assert abs(loss.item() - total) < 1e-5 * (1 + total), f"{where}: loss {loss.item()} != loop {total}"
         seen[labels] = sel_ref
-    assert abs(seen["soft"] - seen["argmax"]) > 1e-3, f"soft and argmax labels gave the same selector loss {seen}"
+    assert min(abs(seen["soft"] - seen["argmax"]), abs(seen["served"] - seen["soft"])) > 1e-3, \
+        f"two label rules gave the same selector loss {seen}"
 
 
 def test_kl_with_minus_infinite_target_logits_is_finite():
@@ -1004,7 +1028,8 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
     n = len(counted_slots(batch, ANCHORS, VALID))
     real_scores = drafter.candidate_selector.edge_scores
     monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
-    for kw in (dict(loss_type="kl"), dict(loss_type="ce", detach_selector=True, selector_labels="soft")):
+    for kw in (dict(loss_type="kl"),
+               dict(loss_type="ce", detach_selector=True, selector_labels="soft", soft_labels_at=SERVED)):
         want = loss_and_grads(drafter, target, batch, **kw)
         for chunk in (1, 5, n - 1, n, 10 * n):
             assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,

@@ -45,6 +45,20 @@ def at_least(low, kind=int, strict=False):
     return parse
 
 
+def sampling_setting(text):
+    """argparse type: 'T[,top_p[,top_k]]' -> (T, top_p, top_k), T > 0, top_p in (0, 1], top_k >= 0."""
+    fields = text.split(",")
+    try:
+        t, top_p, top_k = float(fields[0]), float(fields[1]) if len(fields) > 1 else 1.0, \
+            int(fields[2]) if len(fields) > 2 else 0
+    except ValueError:
+        t = None
+    if t is None or len(fields) > 3 or not (0 < t < math.inf and 0 < top_p <= 1 and top_k >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not T[,top_p[,top_k]] with T > 0, top_p in (0, 1] and "
+                                         "top_k >= 0 (e.g. 1,0.95,20)")
+    return t, top_p, top_k
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash2 drafter (ALGORITHM.md §6).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -89,6 +103,9 @@ def parse_args(argv=None):
     g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
     g.add_argument("--selector-labels", default="argmax", choices=["argmax", "soft"], help="selector loss against "
                    "the target's argmax (the write-up's) or its whole distribution over the candidates (§6)")
+    g.add_argument("--soft-labels-at", type=sampling_setting, metavar="T[,TOP_P[,TOP_K]]",
+                   help="with --selector-labels soft: the target's law at this sampling setting (softmax(z/T), its "
+                   "top-k and top-p, renormalised) instead of softmax(z), e.g. 1,0.95,20 (§6)")
     g.add_argument("--max-anchors", type=at_least(1), default=16,
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
@@ -128,7 +145,10 @@ def parse_args(argv=None):
     g.add_argument("--regen-temperature", type=at_least(0, float), default=0.0, help="0: greedy answers")
     g.add_argument("--regen-max-new-tokens", type=at_least(1), default=2048, help="longest answer, in tokens")
     g.add_argument("--regen-batch-size", type=at_least(1), default=16, help="conversations per generate batch")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.soft_labels_at and args.selector_labels != "soft":
+        p.error(f"--soft-labels-at {','.join(map(str, args.soft_labels_at))} needs --selector-labels soft")
+    return args
 
 
 # -----------------------------------------------------------------------------
@@ -203,6 +223,7 @@ def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None
         return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
                             loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
                             detach_selector=args.detach_selector, selector_labels=args.selector_labels,
+                            soft_labels_at=args.soft_labels_at,
                             chunk_size=args.loss_chunk or None,
                             with_metrics=with_metrics, forward=model,
                             weight_sums=mean_over_ranks if model is not None else None)

@@ -1,6 +1,6 @@
 """
 The DFlash2 ablation in the tiny world: train DFlash, +conv, +selector and DFlash2 (and
-DFlash2 with soft selector labels, an option of §6) with train.py's code against the
+DFlash2 with soft selector labels, options of §6) with train.py's code against the
 offline tiny-world target, same data and steps, for several seeds; decode the same
 held-out prompts with spec_generate at each sampling setting (the selector drafters also
 with their selector switched off: the unary path of the same weights); measure the
@@ -34,14 +34,16 @@ import torch
 import dflash2 as D
 from bench.common import mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
-SOFT = "DFlash2 (soft labels)"  # DFlash2 trained with --selector-labels soft, an option of §6
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
     "DFlash": ["--conv-kernel-size", "0", "--selector-top-k", "0"],
     "+conv": ["--selector-top-k", "0"],
     "+selector": ["--conv-kernel-size", "0"],
     "DFlash2": [],
-    SOFT: ["--selector-labels", "soft"],
+    # the options of §6 for the selector's labels: the target's softmax, or its law at the write-up's setting
+    "DFlash2 (soft labels)": ["--selector-labels", "soft"],
+    "DFlash2 (soft labels at T=1, top-p 0.95, top-k 20)": ["--selector-labels", "soft", "--soft-labels-at", "1,0.95,20"],
 }
+LABEL_OPTIONS = [name for name in DRAFTERS if name.startswith("DFlash2 (")]
 CHAT_CURVE = [(0.6, 0.95, 20), (0.7, 0.8, 20)]  # Qwen3's recommended chat settings (thinking / non-thinking)
 
 
@@ -220,7 +222,7 @@ def summarize(a):
                 s[t]["ratio_vs_dflash"] = ratio_ci(grid(name, t, "al"), grid("DFlash", t, "al"))
             if f"{name}, unary path" in a["variants"]:
                 s[t]["ratio_vs_unary_path"] = ratio_ci(grid(name, t, "al"), grid(f"{name}, unary path", t, "al"))
-            if name == SOFT and "DFlash2" in a["variants"]:
+            if name in LABEL_OPTIONS and "DFlash2" in a["variants"]:
                 s[t]["ratio_vs_argmax_labels"] = ratio_ci(grid(name, t, "al"), grid("DFlash2", t, "al"))
         if r["val"]:
             s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in

@@ -246,6 +246,23 @@ def test_zero_counts_are_refused_by_the_parser(flag, capsys):
     assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--soft-labels-at", "1,0.95,20"], "--soft-labels-at 1.0,0.95,20 needs --selector-labels soft"),
+    (["--selector-labels", "soft", "--soft-labels-at", "0,0.95"], "'0,0.95' is not T[,top_p[,top_k]] with T > 0"),
+    (["--selector-labels", "soft", "--soft-labels-at", "1,1.5"], "'1,1.5' is not T[,top_p[,top_k]]"),
+    (["--selector-labels", "soft", "--soft-labels-at", "1,0.9,20,3"], "'1,0.9,20,3' is not T[,top_p[,top_k]]"),
+    (["--selector-labels", "soft", "--soft-labels-at", "1,0.9,x"], "'1,0.9,x' is not T[,top_p[,top_k]]")])
+def test_bad_soft_label_settings_are_refused_by_the_parser(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        T.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_soft_label_settings_parse_with_the_filters_left_out():
+    for text, want in (("0.7", (0.7, 1.0, 0)), ("1,0.95", (1.0, 0.95, 0)), ("1,0.95,20", (1.0, 0.95, 20))):
+        assert T.parse_args(["--selector-labels", "soft", "--soft-labels-at", text]).soft_labels_at == want, text
+
+
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
     bad = tmp_path / "e.jsonl"
     bad.write_text("")
