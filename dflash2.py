@@ -605,7 +605,7 @@ def weighted_sums(selector, lm_head, loss_options, h, ref_h, prev, w):
 
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
                  loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True,
-                 forward=None, weight_sums=None, selector_labels="argmax", soft_labels_at=None):
+                 forward=None, weight_sums=None, selector_labels="argmax", soft_labels_at=None, accept_at=None):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
     Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
@@ -619,8 +619,9 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
     chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
     slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
-    with_metrics: the §6 metrics and every stat as a float (host syncs); False on training
-    steps, where stats hold only the loss terms, as detached tensors.
+    with_metrics: the §6 metrics and every stat as a float (host syncs), the acceptance ones
+    at the sampling setting accept_at (None: T = 1, no filter); False on training steps,
+    where stats hold only the loss terms, as detached tensors.
     Data parallel: `forward` is the wrapper (DistributedDataParallel) that runs the drafter,
     and `weight_sums` maps this batch's (Σw unary, Σw selector) to the ones to divide by —
     their mean over ranks, so that the averaged gradients are those of the global batch."""
@@ -628,13 +629,12 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
         raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
     if selector_labels not in ("argmax", "soft"):
         raise ValueError(f"selector_labels ({selector_labels!r}) must be 'argmax' or 'soft'")
-    if soft_labels_at is not None:
-        if selector_labels != "soft":
-            raise ValueError(f"soft_labels_at ({soft_labels_at}) needs selector_labels='soft'")
-        t, top_p, top_k = soft_labels_at
+    if soft_labels_at is not None and selector_labels != "soft":
+        raise ValueError(f"soft_labels_at ({soft_labels_at}) needs selector_labels='soft'")
+    for name, setting in (("soft_labels_at", soft_labels_at), ("accept_at", accept_at)):
+        t, top_p, top_k = setting or (1.0, 1.0, 0)
         if not (0 < t < math.inf and 0 < top_p <= 1 and isinstance(top_k, int) and top_k >= 0):
-            raise ValueError(f"soft_labels_at ({soft_labels_at}) must be (temperature > 0, top_p in (0, 1], "
-                             "integer top_k >= 0)")
+            raise ValueError(f"{name} ({setting}) must be (temperature > 0, top_p in (0, 1], integer top_k >= 0)")
     if gamma is not None and not gamma > 0:
         raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
     if not alpha >= 0:
@@ -685,20 +685,22 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     stats["loss"] = loss.detach()
     if with_metrics:
         with torch.no_grad():
-            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size))
+            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size, accept_at or (1.0, 1.0, 0)))
         stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
     return loss, stats
 
 
-def _metric_hits(drafter, lm_head, h, ref_h, prev):
+def _metric_hits(drafter, lm_head, h, ref_h, prev, accept_at):
     """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for
     unary argmax right, label among the top-K, teacher-forced selector pick right, and the
-    self-conditioned walk right (it feeds its own choices forward from the anchor); float
-    for the T = 1 acceptance probabilities Σ min(p, q) of the unary law and the selector's,
-    and the target's mass on the top-K (the most the selector's can reach)."""
+    self-conditioned walk right (it feeds its own choices forward from the anchor); float,
+    at the sampling setting accept_at = (T, top_p, top_k), for the probabilities Σ min(p, q)
+    that rejection sampling keeps the unary draft and the selector's (§4's p and q), the
+    target's mass on the top-K (the most the selector's can reach) and its entropy."""
     unary, ref = head_logits(lm_head, h), head_logits(lm_head, ref_h)
-    label, p = ref.argmax(-1), F.softmax(ref, dim=-1)
-    hits = {"unary": unary.argmax(-1) == label, "accept_unary": torch.minimum(p, F.softmax(unary, dim=-1)).sum(-1)}
+    label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
+    hits = {"unary": unary.argmax(-1) == label, "entropy": -torch.special.xlogy(p, p).sum(-1),
+            "accept_unary": torch.minimum(p, sampling_probs(unary, *accept_at)).sum(-1)}
     sel = drafter.candidate_selector
     if sel is not None:
         cand = unary.topk(sel.top_k, dim=-1).indices
@@ -706,18 +708,18 @@ def _metric_hits(drafter, lm_head, h, ref_h, prev):
         tf_pick = cand.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         hits.update(oracle=(cand == label[..., None]).any(-1), tf=tf_pick == label,
                     walk=sel.walk(h, unary, prev[:, 0])[0] == label, mass_at_k=p_cand.sum(-1),
-                    accept_selector=torch.minimum(p_cand, F.softmax(scores, dim=-1).to(p.dtype)).sum(-1))
+                    accept_selector=torch.minimum(p_cand, F.softmax(scores / accept_at[0], -1).to(p.dtype)).sum(-1))
     return hits
 
 
-def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size):
+def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size, accept_at):
     """§6 metrics over counted slots, a chunk of whole blocks at a time (the walk runs
     along a block); a slot that isn't counted ends an acceptance run.
     h / ref_h (b, N, B-1, H), prev / counted (b, N, B-1)."""
     flat = [x.flatten(0, 1) for x in (h, ref_h, prev)]
     M = len(flat[0])
     size = M if chunk_size is None else max(1, chunk_size // counted.shape[-1])
-    parts = [_metric_hits(drafter, lm_head, *(x[i:i + size] for x in flat)) for i in range(0, M, size)]
+    parts = [_metric_hits(drafter, lm_head, *(x[i:i + size] for x in flat), accept_at) for i in range(0, M, size)]
     hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
     blocks = counted[..., 0]
     n_blocks = blocks.sum().clamp(min=1)
@@ -725,7 +727,7 @@ def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size):
     overall = lambda hit: ((hit * counted).sum() / counted.sum().clamp(min=1)).item()
     mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
     m = {"slot_acc": per_slot(hit["unary"], counted), "al_unary": mean_al(hit["unary"]),
-         "accept_unary": overall(hit["accept_unary"])}
+         "accept_unary": overall(hit["accept_unary"]), "target_entropy": overall(hit["entropy"])}
     if "walk" in hit:
         run = (hit["walk"] & counted).long().cumprod(-1).bool()
         reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right

@@ -247,7 +247,7 @@ def ref_filtered_law(logits, temperature, top_p, top_k):
     z = sum(math.exp(logits[v].item() / temperature) for v in order)
     kept, mass = [], 0.0
     for v in order:
-        if mass >= top_p:
+        if top_p < 1 and mass >= top_p:
             break
         kept.append(v)
         mass += math.exp(logits[v].item() / temperature) / z
@@ -367,7 +367,8 @@ def test_training_functions_refuse_bad_arguments(target, batch):
                         (dict(soft_labels_at=(1.0, 0.9, 20)), r"soft_labels_at \(\(1.0, 0.9, 20\)\) needs "
                                                               r"selector_labels='soft'"),
                         (dict(selector_labels="soft", soft_labels_at=(0.0, 0.9, 20)),
-                         r"soft_labels_at \(\(0.0, 0.9, 20\)\) must be \(temperature > 0")):
+                         r"soft_labels_at \(\(0.0, 0.9, 20\)\) must be \(temperature > 0"),
+                        (dict(accept_at=(1.0, 0.0, 20)), r"accept_at \(\(1.0, 0.0, 20\)\) must be \(temperature > 0")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
@@ -425,7 +426,8 @@ def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
     keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
-            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
+            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k",
+            "target_entropy"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
     assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
         f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
@@ -881,10 +883,12 @@ def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monk
     assert min(kl[-1], kl[1]) > 0.05, f"KL for a drafter off by one position is only {kl}"
 
 
-def test_metrics_equal_loops(target, batch, monkeypatch):
+@pytest.mark.parametrize("accept_at", [None, SERVED])
+def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
     """§6 metrics against loops over the counted slots, on a stand-in drafter that is right
     about half the time, so that no metric is trivially 0 or 1. The anchors include blocks
-    whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end."""
+    whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end.
+    The acceptance metrics at T = 1 unfiltered (None) and at a setting whose filters cut."""
     drafter = make_drafter()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -903,11 +907,12 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
     h = forward(None, pos, None, None).view(2, N, B, H)
     unary = target.lm_head(h[:, :, 1:])
     batch, logits = with_last_hidden(batch, G), target.lm_head(G)
-    stats = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)[1]
+    stats = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid, accept_at=accept_at)[1]
+    temperature, top_p, top_k = accept_at or (1.0, 1.0, 0)
 
     sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
     hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
-    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0}
+    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0, "target_entropy": 0.0}
     for n, j, k, t in slots:
         label = logits[n, t - 1].argmax().item()
         u = unary[n, j, k - 1]
@@ -919,10 +924,12 @@ def test_metrics_equal_loops(target, batch, monkeypatch):
         hits["oracle"][n, j, k] = label in cand
         hits["tf"][n, j, k] = cand[scores.index(max(scores))] == label
         hits["walk"][n, j, k] = walks[n, j][k - 1] == label
-        p, q_sel = F.softmax(logits[n, t - 1], 0), F.softmax(torch.tensor(scores), 0)
-        accept["accept_unary"] += sum(min(a, b) for a, b in zip(p.tolist(), F.softmax(u, 0).tolist()))
-        accept["accept_selector"] += sum(min(p[c].item(), q_sel[i].item()) for i, c in enumerate(cand))
-        accept["mass_at_k"] += sum(p[c].item() for c in cand)
+        p, q_unary = (ref_filtered_law(x, temperature, top_p, top_k) for x in (logits[n, t - 1], u))
+        q_sel = F.softmax(torch.tensor(scores) / temperature, 0)
+        accept["accept_unary"] += sum(min(x, q_unary.get(v, 0.0)) for v, x in p.items())
+        accept["accept_selector"] += sum(min(p.get(c, 0.0), q_sel[i].item()) for i, c in enumerate(cand))
+        accept["mass_at_k"] += sum(p.get(c, 0.0) for c in cand)
+        accept["target_entropy"] -= sum(x * math.log(x) for x in p.values() if x > 0)
 
     def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
         blocks = [(n, j) for n, j, k, t in slots if k == 1]

@@ -211,10 +211,10 @@ def mean_over_ranks(*weights):
     return total / dist.get_world_size()
 
 
-def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None):
+def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None, accept_at=None):
     """One target pass (no grad; its logits only where the loss needs them, so never
     (b, S, V) at once) + anchors + the DFlash2 loss. model: the DistributedDataParallel
-    wrapper that runs the drafter's forward, if any."""
+    wrapper that runs the drafter's forward, if any; accept_at: dflash2_loss's."""
     ids, attn, loss_mask = batch
     with torch.no_grad():
         out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
@@ -225,7 +225,7 @@ def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None
                             detach_selector=args.detach_selector, selector_labels=args.selector_labels,
                             soft_labels_at=args.soft_labels_at,
                             chunk_size=args.loss_chunk or None,
-                            with_metrics=with_metrics, forward=model,
+                            with_metrics=with_metrics, forward=model, accept_at=accept_at,
                             weight_sums=mean_over_ranks if model is not None else None)
 
 

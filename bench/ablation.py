@@ -41,9 +41,11 @@ DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (
     "DFlash2": [],
     # the options of §6 for the selector's labels: the target's softmax, or its law at the write-up's setting
     "DFlash2 (soft labels)": ["--selector-labels", "soft"],
-    "DFlash2 (soft labels at T=1, top-p 0.95, top-k 20)": ["--selector-labels", "soft", "--soft-labels-at", "1,0.95,20"],
+    "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)": ["--selector-labels", "soft", "--soft-labels-at", "1,0.95,20"],
 }
 LABEL_OPTIONS = [name for name in DRAFTERS if name.startswith("DFlash2 (")]
+WRITE_UP = (1.0, 0.95, 20)  # the write-up's sampling setting, where the acceptance metrics are also measured
+ACCEPT_KEYS = ("accept_unary", "accept_selector", "mass_at_k", "target_entropy")
 CHAT_CURVE = [(0.6, 0.95, 20), (0.7, 0.8, 20)]  # Qwen3's recommended chat settings (thinking / non-thinking)
 
 
@@ -82,7 +84,7 @@ def parse_args(argv=None):
                    "'--selector-top-k 64' (the parts' sizes)")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for spec_generate")
     p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
-    p.add_argument("--settings", type=parse_settings, default=parse_settings("0;1;1,0.95,20"),
+    p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings for spec_generate, separated by ';', each temperature[,top_p[,top_k]] "
                    "(default: '0;1;1,0.95,20')")
     p.add_argument("--chat-curve", action="store_true", help="also decode at Qwen3's recommended chat settings: "
@@ -124,9 +126,10 @@ def spec_eval(drafter, target, prompts, args, setting, stop_id):
 
 
 @torch.no_grad()
-def val_metrics(drafter, target, val, targs, pad_id, min_blocks):
+def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None):
     """train.py's validation metrics averaged over blocks (not batches), on at least
-    min_blocks blocks: every further pass over the rows draws new anchors."""
+    min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
+    metrics at the sampling setting accept_at (None: T = 1, no filter)."""
     import train as T
     from data import collate
     total, n_blocks, rounds = {}, 0, 0
@@ -135,7 +138,7 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks):
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
             n = int(T.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
-            stats = T.loss_step(drafter, target, batch, targs, seeds)[1]
+            stats = T.loss_step(drafter, target, batch, targs, seeds, accept_at=accept_at)[1]
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
@@ -185,6 +188,9 @@ def ablation(args, settings):
             unary = without_selector(drafter)
             paths = {name: drafter, f"{name}, unary path": unary} if run_args.selector_top_k else {name: unary}
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
+            at_write_up = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks,
+                                      accept_at=WRITE_UP)
+            val_stats["at_write_up"] = {k: at_write_up[k] for k in ACCEPT_KEYS if k in at_write_up}
             for path_label, d in paths.items():
                 r = results["variants"].setdefault(path_label, {"train_seconds": [], "val": [], "spec": {}})
                 if path_label == name:
@@ -227,8 +233,9 @@ def summarize(a):
         if r["val"]:
             s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in
                         ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc",
-                         "accept_unary", "accept_selector", "mass_at_k")
-                        if k in r["val"][0]}
+                         *ACCEPT_KEYS) if k in r["val"][0]}
+            s["val"]["at_write_up"] = {k: statistics.mean(v["at_write_up"][k] for v in r["val"])
+                                       for k in r["val"][0]["at_write_up"]}
             s["val"]["selector_path_acc"] = [statistics.mean(x) for x in zip(*(v["selector_path_acc"] for v in r["val"]))] \
                 if "selector_path_acc" in r["val"][0] else None
             s["val"]["slot_acc"] = [statistics.mean(x) for x in zip(*(v["slot_acc"] for v in r["val"]))]
@@ -246,19 +253,24 @@ def markdown(a):
              f"forwards per token at {settings[0]}; autoregressive baseline "
              f"{a['autoregressive_tokens_per_s']:.1f} tok/s", "",
              "| drafter | " + " | ".join(f"AL {t}" for t in settings) + " | expected AL unary / selector / oracle "
-             "(val) | T=1 acceptance unary / selector / top-K mass (val) | recall@K | selector tf-acc | tok/s | "
-             "target fwd / token |", "|---|" + "---|" * (len(settings) + 6)]
+             f"(val) | T=1 acceptance unary / selector / top-K mass (val) | the same at {label(WRITE_UP)} (val) | "
+             "recall@K | selector tf-acc | tok/s | target fwd / token |", "|---|" + "---|" * (len(settings) + 7)]
     for name, s in a["summary"].items():
         v = s.get("val", {})
-        f = lambda k: (f"{v[k]:.2f}" if k in v else "-") if v else ""
-        three = lambda *keys: " / ".join(map(f, keys)) if v else ""
+        f = lambda *keys, at=v: " / ".join(f"{at[k]:.2f}" if k in at else "-" for k in keys) if at else ""
         lines.append(f"| {name} | " + " | ".join(ci(*s[t]["al"]) for t in settings) +
-                     f" | {three('al_unary', 'al_selector', 'al_oracle')} | "
-                     f"{three('accept_unary', 'accept_selector', 'mass_at_k')} | {f('recall_at_k')} | "
+                     f" | {f('al_unary', 'al_selector', 'al_oracle')} | "
+                     f"{f('accept_unary', 'accept_selector', 'mass_at_k')} | "
+                     f"{f('accept_unary', 'accept_selector', 'mass_at_k', at=v.get('at_write_up'))} | "
+                     f"{f('recall_at_k')} | "
                      f"{f('selector_tf_acc')} | {s[settings[0]]['tokens_per_s']:.1f} | "
                      f"{s[settings[0]]['target_forwards_per_token']:.3f} |")
     blocks = [s["val"]["blocks"] for s in a["summary"].values() if "val" in s]
-    lines += ["", f"Expected AL and accuracies: mean over seeds of {min(blocks):.0f}+ validation blocks each.", "",
+    val = next(s["val"] for s in a["summary"].values() if "val" in s)  # same rows and anchors for every drafter
+    lines += ["", f"Expected AL, accuracies and acceptance probabilities: mean over seeds of {min(blocks):.0f}+ "
+              f"validation blocks each. The target's entropy on the counted validation slots: "
+              f"{val['target_entropy']:.2f} nats at T=1, {val['at_write_up']['target_entropy']:.2f} at "
+              f"{label(WRITE_UP)}.", "",
               "Ratios of mean AL, paired (same seeds, same prompts), 95% bootstrap intervals:", "",
               "| ratio | " + " | ".join(settings) + " |", "|---|" + "---|" * len(settings)]
     for key, what in RATIOS:
