@@ -696,11 +696,10 @@ def _metric_hits(drafter, lm_head, h, ref_h, prev, accept_at):
     self-conditioned walk right (it feeds its own choices forward from the anchor); float,
     at the sampling setting accept_at = (T, top_p, top_k), for the probabilities Σ min(p, q)
     that rejection sampling keeps the unary draft and the selector's (§4's p and q), the
-    target's mass on the top-K (the most the selector's can reach) and its entropy."""
+    target's mass on the top-K (the most the selector's can reach)."""
     unary, ref = head_logits(lm_head, h), head_logits(lm_head, ref_h)
     label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
-    hits = {"unary": unary.argmax(-1) == label, "entropy": -torch.special.xlogy(p, p).sum(-1),
-            "accept_unary": torch.minimum(p, sampling_probs(unary, *accept_at)).sum(-1)}
+    hits = {"unary": unary.argmax(-1) == label, "accept_unary": torch.minimum(p, sampling_probs(unary, *accept_at)).sum(-1)}
     sel = drafter.candidate_selector
     if sel is not None:
         cand = unary.topk(sel.top_k, dim=-1).indices
@@ -727,7 +726,7 @@ def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size, accept_at):
     overall = lambda hit: ((hit * counted).sum() / counted.sum().clamp(min=1)).item()
     mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
     m = {"slot_acc": per_slot(hit["unary"], counted), "al_unary": mean_al(hit["unary"]),
-         "accept_unary": overall(hit["accept_unary"]), "target_entropy": overall(hit["entropy"])}
+         "accept_unary": overall(hit["accept_unary"])}
     if "walk" in hit:
         run = (hit["walk"] & counted).long().cumprod(-1).bool()
         reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right

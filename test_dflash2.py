@@ -426,8 +426,7 @@ def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
     keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
-            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k",
-            "target_entropy"}
+            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
     assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
         f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
@@ -912,7 +911,7 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
 
     sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
     hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
-    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0, "target_entropy": 0.0}
+    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0}
     for n, j, k, t in slots:
         label = logits[n, t - 1].argmax().item()
         u = unary[n, j, k - 1]
@@ -929,7 +928,6 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
         accept["accept_unary"] += sum(min(x, q_unary.get(v, 0.0)) for v, x in p.items())
         accept["accept_selector"] += sum(min(p.get(c, 0.0), q_sel[i].item()) for i, c in enumerate(cand))
         accept["mass_at_k"] += sum(p.get(c, 0.0) for c in cand)
-        accept["target_entropy"] -= sum(x * math.log(x) for x in p.values() if x > 0)
 
     def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
         blocks = [(n, j) for n, j, k, t in slots if k == 1]

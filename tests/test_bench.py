@@ -5,6 +5,7 @@ it touches, sampling settings and bad flags, and smoke runs of `python -m bench.
 import dataclasses
 import itertools
 import json
+import math
 import os
 import statistics
 
@@ -15,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 import dflash2 as D
 from bench import ablation, common, cost, gpu_check
+from conftest import tiny_qwen3
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -247,6 +249,35 @@ def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
 
 
 # -----------------------------------------------------------------------------
+# the target's entropy on its answers
+
+
+def test_target_entropy_equals_a_loop_over_answer_tokens():
+    """The target's mean entropy over the loss tokens of its rows, at T = 1 and at a setting
+    whose filters cut. Reference: each answer token's prefix forwarded alone, the law of
+    its next token filtered by brute force (sorted logits), entropy summed token by token."""
+    target = tiny_qwen3(vocab_size=40)
+    g = torch.Generator().manual_seed(0)
+    rows = [{"input_ids": torch.randint(0, 40, (n,), generator=g), "loss_mask": torch.tensor(mask)}
+            for n, mask in ((7, [0, 0, 0, 1, 1, 1, 0]), (5, [0, 1, 0, 1, 1]))]
+    for setting in ((1.0, 1.0, 0), (0.7, 0.8, 6)):
+        t, top_p, top_k = setting
+        entropies = []
+        for r in rows:
+            for pos in r["loss_mask"].nonzero().flatten().tolist():
+                logits = target(input_ids=r["input_ids"][None, :pos]).logits[0, -1].detach()
+                kept = logits.sort(descending=True).values[:top_k or None]
+                probs = torch.softmax(kept / t, 0).tolist()
+                n_kept = next((i + 1 for i in range(len(probs)) if sum(probs[:i + 1]) >= top_p), len(probs))
+                law = [x / sum(probs[:n_kept]) for x in probs[:n_kept]]
+                entropies.append(-sum(x * math.log(x) for x in law if x > 0))
+        want = sum(entropies) / len(entropies)
+        got = ablation.target_entropy(target, rows, setting)
+        assert abs(got - want) < 1e-9, f"{setting}: {got} != loop {want}"
+    assert ablation.target_entropy(target, rows, (0.7, 0.8, 6)) < ablation.target_entropy(target, rows, (1, 1, 0))
+
+
+# -----------------------------------------------------------------------------
 # smoke runs
 
 
@@ -277,6 +308,8 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
     assert "accept_selector" in results["summary"]["DFlash2"]["val"] and \
         "accept_selector" not in results["summary"]["+conv"]["val"], \
         "selector metrics belong to the drafters trained with a selector, and only to them"
+    assert set(results["target_entropy"]) == {"T=1", "T=1, top-p 0.95, top-k 20"}, results["target_entropy"]
+    assert all(v["at_write_up"]["accept_unary"] > 0 for v in results["variants"]["DFlash2"]["val"])
     assert os.path.getsize(out / "per_slot_acceptance.png") > 1000, "the plot was not written"
     report = (out / "results.md").read_text()
     assert "| DFlash2 |" in report and "| DFlash2 / its unary path |" in report and \
