@@ -10,7 +10,7 @@ for a few seconds, and every intermediate a port needs to diff itself against, w
     DIR/golden.safetensors       all tensors below
     DIR/manifest.json            name, shape, dtype, meaning of each, in computation order
 
-Run from the repository root: python -m port.golden DIR [--force].
+Run from the repository root: python -m port.golden DIR [--force] [--weights-from GOLDEN_DIR].
 
 The target is a noisy bigram model built by hand (each token has a likely and a less likely
 successor), so its greedy text runs through many distinct tokens and its sampled text has
@@ -521,21 +521,32 @@ def put_sampled(put, prefix, calls, cycles, tokens, als, u_first, B, K):
 # everything, in computation order
 
 
-def compute():
+def compute(weights_from=None):
     """-> ({name: tensor} in computation order, {name: meaning}, {decision: tie margin},
-    {folder: model}). Everything fp32/int64/bool. One thread: the same reduction order on every run."""
+    {folder: model}). Everything fp32/int64/bool. One thread: the same reduction order on every run.
+    weights_from: a golden folder whose trained DFlash2 and v1 drafters to use instead of
+    training them here (training's fp32 rounding differs from CPU to CPU and grows over the
+    steps; every tensor computed from given weights agrees to fp32 rounding)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _compute()
+        return _compute(weights_from)
     finally:
         torch.set_num_threads(threads)
 
 
-def _compute():
+def trained_drafters(weights_from=None):
+    """-> (target, DFlash2 drafter, v1 drafter), trained here or read from a golden folder."""
     target, drafter, v1 = build_models()
-    train(drafter, target, STEPS, SEED + 6)
-    train(v1, target, STEPS_V1, SEED + 7)
+    if weights_from is None:
+        return target, train(drafter, target, STEPS, SEED + 6), train(v1, target, STEPS_V1, SEED + 7)
+    for model, folder in ((drafter, "drafter"), (v1, "drafter_v1")):
+        model.load_state_dict(dflash2.DFlash2Drafter.from_pretrained(os.path.join(weights_from, folder)).state_dict())
+    return target, drafter.eval(), v1.eval()
+
+
+def _compute(weights_from):
+    target, drafter, v1 = trained_drafters(weights_from)
     c = drafter.config
     B, K, N = c.block_size, c.selector_top_k, len(ANCHORS[0])
     M = 2 * N
@@ -762,11 +773,11 @@ def put_losses(put, drafter, target, batch, inp):
 # writing and reading
 
 
-def write_golden(out_dir, force=False):
-    """Write the golden set into out_dir; a non-empty out_dir needs force=True."""
+def write_golden(out_dir, force=False, weights_from=None):
+    """Write the golden set into out_dir; a non-empty out_dir needs force=True; weights_from: compute's."""
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not force:
         raise ValueError(f"{out_dir} is not empty: pass force=True (--force) to overwrite its golden set")
-    rec, meaning, margins, target, drafters = compute()
+    rec, meaning, margins, target, drafters = compute(weights_from)
     close = {k: v for k, v in margins.items() if v < TIE_MARGIN}
     if close:
         raise RuntimeError(f"golden decisions within {TIE_MARGIN} of a tie {close}: a port could pick another token")
@@ -820,9 +831,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description="Write the DFlash2 golden tensors (ALGORITHM.md §8).")
     p.add_argument("out_dir", help="folder to write target/, the drafter folders, golden.safetensors, manifest.json into")
     p.add_argument("--force", action="store_true", help="overwrite the golden set in a non-empty folder")
+    p.add_argument("--weights-from", metavar="GOLDEN_DIR", help="take the trained drafters from this golden set "
+                   "instead of training them (training's fp32 rounding differs across CPUs)")
     args = p.parse_args(argv)
     try:
-        write_golden(args.out_dir, force=args.force)
+        write_golden(args.out_dir, force=args.force, weights_from=args.weights_from)
     except ValueError as e:
         p.error(str(e))
 
