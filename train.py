@@ -46,16 +46,19 @@ def at_least(low, kind=int, strict=False):
 
 
 def sampling_setting(text):
-    """argparse type: 'T[,top_p[,top_k]]' -> (T, top_p, top_k), T > 0, top_p in (0, 1], top_k >= 0."""
+    """argparse type: 'T[,top_p[,top_k]]' -> (T, top_p, top_k), T > 0, top_p in (0, 1], top_k >= 0;
+    a filter left out filters nothing (top_p 1, top_k 0)."""
     fields = text.split(",")
     try:
-        t, top_p, top_k = float(fields[0]), float(fields[1]) if len(fields) > 1 else 1.0, \
-            int(fields[2]) if len(fields) > 2 else 0
+        if len(fields) > 3:
+            raise ValueError
+        fields += ["1", "0"][len(fields) - 1:]  # the filters left out
+        t, top_p, top_k = float(fields[0]), float(fields[1]), int(fields[2])
+        if not (0 < t < math.inf and 0 < top_p <= 1 and top_k >= 0):
+            raise ValueError
     except ValueError:
-        t = None
-    if t is None or len(fields) > 3 or not (0 < t < math.inf and 0 < top_p <= 1 and top_k >= 0):
         raise argparse.ArgumentTypeError(f"{text!r} is not T[,top_p[,top_k]] with T > 0, top_p in (0, 1] and "
-                                         "top_k >= 0 (e.g. 1,0.95,20)")
+                                         "top_k >= 0 (e.g. 1,0.95,20)") from None
     return t, top_p, top_k
 
 
