@@ -59,8 +59,9 @@ def prompts_of(rows, n):
 # timing
 
 
-def median_seconds(fns, repeats, warmup=1, device="cpu"):
-    """Median seconds per call of each fn, rounds interleaved so drift hits all alike."""
+def round_seconds(fns, repeats, warmup=1, device="cpu"):
+    """Seconds per call of each fn in each timed round, rounds interleaved so drift hits all
+    alike. -> {name: [seconds per round]}."""
     device, times = torch.device(device), {k: [] for k in fns}
     for r in range(warmup + repeats):
         for k, fn in fns.items():
@@ -68,7 +69,16 @@ def median_seconds(fns, repeats, warmup=1, device="cpu"):
             fn()
             if r >= warmup:
                 times[k].append(dflash2._now(device) - t0)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return times
+
+
+def median(xs):
+    return sorted(xs)[len(xs) // 2]
+
+
+def median_seconds(fns, repeats, warmup=1, device="cpu"):
+    """Median seconds per call of each fn over round_seconds' rounds."""
+    return {k: median(v) for k, v in round_seconds(fns, repeats, warmup, device).items()}
 
 
 # -----------------------------------------------------------------------------
@@ -103,6 +113,16 @@ def ratio_ci(x, y):
     """(S, P) each, paired by seed and prompt -> (mean(x) / mean(y), lo, hi)."""
     lo, hi = interval(bootstrap([x, y], lambda a, b: a.mean((1, 2)) / b.mean((1, 2))))
     return (x.mean() / y.mean()).item(), lo.item(), hi.item()
+
+
+def round_ratio_ci(x, y, n=2000, seed=0):
+    """Per-round seconds x, y (same rounds, interleaved, so paired) -> (median of the per-round
+    ratios x/y, lo, hi): a 95% bootstrap interval that redraws the rounds."""
+    r = torch.tensor(x, dtype=torch.float64) / torch.tensor(y, dtype=torch.float64)
+    g = torch.Generator().manual_seed(seed)
+    replicates = r[torch.randint(len(r), (n, len(r)), generator=g)].sort(-1).values[:, len(r) // 2]
+    lo, hi = interval(replicates)
+    return median(r.tolist()), lo.item(), hi.item()
 
 
 def slot_ci(accepted, reached):

@@ -25,7 +25,8 @@ import time
 import torch
 
 import dflash2
-from bench.common import QWEN3_4B, median_seconds, qwen3_config, random_target, write_results
+from bench.common import (QWEN3_4B, median, median_seconds, qwen3_config, random_target, round_ratio_ci,
+                          round_seconds, write_results)
 from memory import drafter_config, memory_plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -123,8 +124,8 @@ def draft_step(drafter, target, context):
 
 
 def draft_step_cost(target, drafters, context=1024, repeats=20, warmup=2):
-    """Median seconds of one draft_step per drafter, rounds interleaved. Adds "walk alone":
-    the walk of the last drafter with a selector, on one step's h and logits."""
+    """Seconds of one draft_step per drafter in each round, rounds interleaved. Adds "walk
+    alone": the walk of the last drafter with a selector, on one step's h and logits."""
     fns, walker = {}, None
     for name, d in drafters.items():
         forward, fns[name] = draft_step(d, target, context)
@@ -132,16 +133,17 @@ def draft_step_cost(target, drafters, context=1024, repeats=20, warmup=2):
             walker, inputs = d.candidate_selector, forward()
     if walker:
         fns["walk alone"] = torch.no_grad()(lambda: walker.walk(*inputs))
-    return median_seconds(fns, repeats, warmup, device=target.device)
+    return round_seconds(fns, repeats, warmup, device=target.device)
 
 
-def draft_report(seconds, configs, itemsize):
-    """Per variant: ms and × DFlash measured; the weight bytes its step reads and the
-    floor's × DFlash (bytes / DFlash's bytes) next to it."""
+def draft_report(times, configs, itemsize):
+    """Per variant, from per-round seconds: median ms and × DFlash measured (the median of
+    the per-round ratios, with round_ratio_ci's interval); the weight bytes its step reads
+    and the floor's × DFlash (bytes / DFlash's bytes) next to it."""
     reads = {k: itemsize * sum(draft_step_reads(c).values()) for k, c in configs.items()}
-    return {k: {"ms": 1e3 * s, "ratio_vs_dflash": s / seconds["DFlash"],
+    return {k: {"ms": 1e3 * median(t), "ratio_vs_dflash": round_ratio_ci(t, times["DFlash"]),
                 **({"weight_bytes": reads[k], "floor_ratio_vs_dflash": reads[k] / reads["DFlash"]} if k in reads else {})}
-            for k, s in seconds.items()}
+            for k, t in times.items()}
 
 
 def draft_part(device, dtype, context, repeats, quick, names=tuple(VARIANTS)):
@@ -151,10 +153,10 @@ def draft_part(device, dtype, context, repeats, quick, names=tuple(VARIANTS)):
     target = random_target(dtype=dtype, device=device, **target_shape)
     drafters = variant_drafters(target.config, names, dtype=dtype, device=device,
                                 mask_token_id=target_shape["vocab"] - 1, **DRAFT_DRAFTER)
-    seconds = draft_step_cost(target, drafters, context, repeats, warmup=1 if quick else 3)
+    times = draft_step_cost(target, drafters, context, repeats, warmup=1 if quick else 3)
     return {"shape": {**target_shape, **DRAFT_DRAFTER, "context": context, "dtype": str(dtype).removeprefix("torch."),
                       "device": str(device), "repeats": repeats},
-            "variants": draft_report(seconds, {k: d.config for k, d in drafters.items()}, dtype.itemsize)}
+            "variants": draft_report(times, {k: d.config for k, d in drafters.items()}, dtype.itemsize)}
 
 
 # -----------------------------------------------------------------------------
@@ -305,12 +307,14 @@ def markdown(results):
     lines = []
     if "draft" in results:
         d = results["draft"]
-        lines += [f"Draft step at {d['shape']}: median ms; floor = weight bytes read, × DFlash's", "",
+        lines += [f"Draft step at {d['shape']}: median ms; × DFlash: median of the per-round ratios [95% bootstrap "
+                  "over rounds]; floor = weight bytes read, × DFlash's", "",
                   "| variant | ms | × DFlash | weights read (MB) | floor × DFlash |", "|---|---|---|---|---|"]
         for k, v in d["variants"].items():
             reads = f"{v['weight_bytes'] / 1e6:.0f} | {v['floor_ratio_vs_dflash']:.3f}" if "weight_bytes" in v \
                 else "- | -"
-            lines.append(f"| {k} | {v['ms']:.2f} | {v['ratio_vs_dflash']:.3f} | {reads} |")
+            ratio = "{:.3f} [{:.3f}, {:.3f}]".format(*v["ratio_vs_dflash"])
+            lines.append(f"| {k} | {v['ms']:.2f} | {ratio} | {reads} |")
         lines.append("")
     if "train" in results:
         t = results["train"]

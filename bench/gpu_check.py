@@ -148,7 +148,7 @@ def table(results):
         v, s = d["variants"], d["shape"]
         for k in ("DFlash", "DFlash2"):
             rows.append(("draft step", f"{k}, {s['dtype']}, context {s['context']}",
-                         f"{v[k]['ms']:.3f} ms (× DFlash {v[k]['ratio_vs_dflash']:.3f}, floor "
+                         f"{v[k]['ms']:.3f} ms (× DFlash {'{:.3f} [{:.3f}, {:.3f}]'.format(*v[k]['ratio_vs_dflash'])}, floor "
                          f"× {v[k]['floor_ratio_vs_dflash']:.3f})"))
         rows.append(("draft step", "walk alone", f"{v['walk alone']['ms']:.3f} ms "
                      f"({100 * v['walk alone']['ms'] / v['DFlash2']['ms']:.1f}% of DFlash2's step)"))

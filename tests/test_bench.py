@@ -73,6 +73,26 @@ def test_bootstrap_redraws_seeds_and_prompts_independently():
     assert abs(reps.mean() - x.mean()) < 0.01, (reps.mean(), x.mean())
 
 
+def test_round_ratio_interval_covers_the_true_ratio_about_95_percent_of_the_time():
+    """Simulated timings: a variant truly 1.05× the base, each round's two times sharing the
+    round's drift (paired) plus independent noise, 20 rounds. Over 300 simulated runs the
+    interval must hold the true median ratio about 95% of the time (a percentile bootstrap
+    of a median at 20 rounds runs a little under), and be paired: sharing the drift, the
+    intervals stay narrow where unpaired ones could not."""
+    g = torch.Generator().manual_seed(0)
+    covered, widths = 0, []
+    for run in range(300):
+        drift = 1 + 0.5 * torch.rand(20, generator=g)
+        noise = lambda: 1 + 0.02 * torch.randn(20, generator=g, dtype=torch.float64)
+        base, variant = (drift * noise()).tolist(), (1.05 * drift * noise()).tolist()
+        ratio, lo, hi = common.round_ratio_ci(variant, base, n=400, seed=run)
+        assert lo <= ratio <= hi, (ratio, lo, hi)
+        covered += lo <= 1.05 <= hi
+        widths.append(hi - lo)
+    assert 0.85 <= covered / 300 <= 0.99, f"coverage {covered / 300}"
+    assert statistics.median(widths) < 0.05, f"median width {statistics.median(widths)}: the ratio is not paired"
+
+
 def test_ratio_is_paired_and_slot_rate_pools_counts():
     g = torch.Generator().manual_seed(2)
     y = 1 + torch.rand(3, 64, generator=g, dtype=torch.float64)
@@ -201,7 +221,7 @@ def test_draft_step_reads_match_a_brute_force_count():
     assert counted["+conv"] - counted["DFlash"] == conv and counted["+selector"] - counted["DFlash"] == selector, \
         f"extra reads {counted['+conv'] - counted['DFlash']} (conv), {counted['+selector'] - counted['DFlash']} " \
         f"(selector); want {conv}, {selector}"
-    report = cost.draft_report({k: 1.0 for k in drafters}, {k: d.config for k, d in drafters.items()}, 2)
+    report = cost.draft_report({k: [1.0] for k in drafters}, {k: d.config for k, d in drafters.items()}, 2)
     assert report["DFlash2"]["floor_ratio_vs_dflash"] == pytest.approx(counted["DFlash2"] / counted["DFlash"]) and \
         report["DFlash2"]["weight_bytes"] == 2 * counted["DFlash2"], report["DFlash2"]
 
@@ -353,7 +373,7 @@ def test_gpu_check_records_a_failed_part_and_runs_the_others(tmp_path, monkeypat
     def no_world(*args):
         raise RuntimeError("no world")
     step = {"plan_gib": 2.0, "measured_gib": None, "step_s": 1.0, "tokens_per_s": 96.0}
-    variant = {"ms": 1.0, "ratio_vs_dflash": 1.0, "floor_ratio_vs_dflash": 1.0}
+    variant = {"ms": 1.0, "ratio_vs_dflash": (1.0, 0.9, 1.1), "floor_ratio_vs_dflash": 1.0}
     monkeypatch.setattr(gpu_check, "pipeline", no_world)
     monkeypatch.setattr(gpu_check, "real_scale", lambda *a, **k: {"plain": step, "grad_checkpoint": step})
     monkeypatch.setattr(gpu_check, "draft_part", lambda *a, **k: {
