@@ -54,6 +54,7 @@ WALK_TEMPERATURE = 0.7         # of the sampled walk on the batch
 PROMPT = [15, 52, 52, 23, 22]
 GREEDY_NEW_TOKENS = 30
 SAMPLING = dict(temperature=1.3, top_p=0.9, top_k=3)
+SERVED = tuple(SAMPLING.values())  # (T, top_p, top_k) of soft_labels_at and accept_at: the sampled traces' setting
 SAMPLED_NEW_TOKENS = 24
 GRADS = ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.input_layernorm.weight",
          "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
@@ -725,7 +726,10 @@ def put_losses(put, drafter, target, batch, inp):
     cases = {"kl": ({}, "L_unary with ℓ_kl + α·L_sel with argmax labels, α = 1, γ = the default (training's default)"),
              "ce": (dict(loss_type="ce"), "ℓ_ce instead of ℓ_kl"),
              "soft": (dict(selector_labels="soft"), "soft selector labels (L_sel divided by Σ w·m)"),
-             "alpha_gamma": (dict(alpha=0.5, gamma=1.5), "α = 0.5 and γ = 1.5 (not B's default)")}
+             "alpha_gamma": (dict(alpha=0.5, gamma=1.5), "α = 0.5 and γ = 1.5 (not B's default)"),
+             "soft_at": (dict(selector_labels="soft", soft_labels_at=SERVED),
+                         f"soft selector labels from the target's law at the sampling setting (T, top_p, top_k) = "
+                         f"{SERVED}: π = §4's filtered p on C")}
     for name, (kw, what) in cases.items():
         drafter.zero_grad()
         value, stats = loss(**kw)
@@ -739,6 +743,10 @@ def put_losses(put, drafter, target, batch, inp):
     for key, value in metrics.items():
         put(f"metrics.{key}", torch.tensor(value, dtype=torch.float32),
             f"{key} (§6 metrics table) over the batch's counted slots")
+    stats = loss(accept_at=SERVED)[1]
+    for key in ("accept_unary", "accept_selector", "mass_at_k"):
+        put(f"metrics_at.{key}", torch.tensor(stats[key], dtype=torch.float32),
+            f"{key} with §4's p and q at the sampling setting (T, top_p, top_k) = {SERVED} (accept_at)")
 
     none_valid = torch.zeros_like(batch["anchor_valid"])
     value, stats = dflash2.dflash2_loss(drafter, target, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],

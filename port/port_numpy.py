@@ -371,23 +371,26 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
-def slot_terms(W, cfg, h, U, z, prev):
-    """§6 terms of one counted slot: h (H,), U (V,) drafter; z (V,) target logits at t−1."""
+def slot_terms(W, cfg, h, U, z, prev, soft_labels_at=None):
+    """§6 terms of one counted slot: h (H,), U (V,) drafter; z (V,) target logits at t−1.
+    The soft labels are p, or §4's law at the setting soft_labels_at = (T, top_p, top_k)."""
     p, logq, y = softmax(z), log_softmax(U), int(np.argmax(z))
     C = top_k(U, cfg["K"]) if cfg["K"] else np.zeros(0, int)
     out = dict(kl=float(np.sum(np.where(p > 0, p * (np.log(np.where(p > 0, p, 1)) - logq), 0))), ce=-logq[y],
-               p=p, q=softmax(U), y=y, C=C)
+               p=p, q=softmax(U), y=y, C=C, z=z, U=U)
     if cfg["K"]:
         s = edge_scores(W, h, U, prev, C)
         log_sel = log_softmax(s)
+        label = sampling_law(z, *soft_labels_at) if soft_labels_at else p
         out.update(s=s, label_in_candidates=float(y in C),
                    selector_ce=-log_sel[list(C).index(y)] if y in C else 0.0,
-                   candidate_mass=p[C].sum(), selector_soft=-np.sum(p[C] * log_sel))
+                   candidate_mass=label[C].sum(), selector_soft=-np.sum(label[C] * log_sel))
     return out
 
 
-def losses(W, cfg, lm_head, hidden, input_ids, loss_mask, anchors, valid, target_logits):
-    """Per-slot records (b, N, B−1) and the slots' terms, for the loss variants and metrics."""
+def losses(W, cfg, lm_head, hidden, input_ids, loss_mask, anchors, valid, target_logits, soft_labels_at=None):
+    """Per-slot records (b, N, B−1) and the slots' terms, for the loss variants and metrics;
+    soft_labels_at: slot_terms'."""
     B, (b, N), S = cfg["B"], anchors.shape, input_ids.shape[1]
     slots = {}
     for r in range(b):
@@ -399,7 +402,8 @@ def losses(W, cfg, lm_head, hidden, input_ids, loss_mask, anchors, valid, target
                 if counted:
                     h = hidden[r, j * B + k]
                     rec.update(prev=int(input_ids[r, t - 1]),
-                               **slot_terms(W, cfg, h, h @ lm_head.T, target_logits[r, t - 1], input_ids[r, t - 1]))
+                               **slot_terms(W, cfg, h, h @ lm_head.T, target_logits[r, t - 1], input_ids[r, t - 1],
+                                            soft_labels_at))
                 slots[r, j, k] = rec
     return slots
 
@@ -430,8 +434,9 @@ def loss_value(slots, loss_type="kl", labels="argmax", alpha=1.0, gamma=4.0, wei
     return unary + alpha * selector, unary, selector, den_u, den_s
 
 
-def metrics(W, cfg, slots, hidden, lm_head, anchors, B):
-    """The §6 metrics table over the counted slots; empty counts are floored at 1."""
+def metrics(W, cfg, slots, hidden, lm_head, anchors, B, accept_at=(1.0, 1.0, 0)):
+    """The §6 metrics table over the counted slots; empty counts are floored at 1. The
+    acceptance metrics read §4's p and q at the sampling setting accept_at = (T, top_p, top_k)."""
     (b, N), out = anchors.shape, {}
     counted = lambda r, j, k: slots[r, j, k]["counted"]
     blocks = [(r, j) for r in range(b) for j in range(N) if counted(r, j, 1)]
@@ -462,7 +467,9 @@ def metrics(W, cfg, slots, hidden, lm_head, anchors, B):
     out["slot_acc"] = [mean([right("unary", r, j, k) for (r, j, kk), s in slots.items() if kk == k and s["counted"]])
                        for k in range(1, B)]
     out["al_unary"] = al("unary")
-    out["accept_unary"] = mean([np.minimum(s["p"], s["q"]).sum() for s in every])
+    t = accept_at[0]
+    p_at = {id(s): sampling_law(s["z"], *accept_at) for s in every}
+    out["accept_unary"] = mean([np.minimum(p_at[id(s)], sampling_law(s["U"], *accept_at)).sum() for s in every])
     if cfg["K"]:
         out["recall_at_k"] = mean([s["y"] in s["C"] for s in every])
         out["selector_tf_acc"] = mean([bool(hit["tf"](s)) for s in every])
@@ -473,6 +480,6 @@ def metrics(W, cfg, slots, hidden, lm_head, anchors, B):
             path_acc.append(mean([right("walk", r, j, k) for r, j in reached]))
         out["selector_path_acc"] = path_acc
         out["al_selector"], out["al_oracle"] = al("walk"), al("oracle")
-        out["accept_selector"] = mean([np.minimum(s["p"][s["C"]], softmax(s["s"])).sum() for s in every])
-        out["mass_at_k"] = mean([s["p"][s["C"]].sum() for s in every])
+        out["accept_selector"] = mean([np.minimum(p_at[id(s)][s["C"]], softmax(s["s"] / t)).sum() for s in every])
+        out["mass_at_k"] = mean([p_at[id(s)][s["C"]].sum() for s in every])
     return out

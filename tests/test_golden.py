@@ -194,7 +194,14 @@ def port_everything(g):
                      ("alpha_gamma", dict(alpha=0.5, gamma=1.5))):
         L, unary, selector, _, _ = port.loss_value(slots, **{"gamma": gamma, **kw})
         out.update({f"loss.{name}.loss": L, f"loss.{name}.unary_loss": unary, f"loss.{name}.selector_loss": selector})
+    served = (float(g["sampled.temperature"]), float(g["sampled.top_p"]), int(g["sampled.top_k"]))
+    slots_at = port.losses(W, cfg, lm_head, hidden, ids, g["batch.loss_mask"], anchors, g["batch.anchor_valid"],
+                           g["batch.target_logits"].astype(port.DTYPE), soft_labels_at=served)
+    L, unary, selector, _, _ = port.loss_value(slots_at, labels="soft", gamma=gamma)
+    out.update({"loss.soft_at.loss": L, "loss.soft_at.unary_loss": unary, "loss.soft_at.selector_loss": selector})
     out.update({"metrics." + k: v for k, v in port.metrics(W, cfg, slots, hidden, lm_head, anchors, B).items()})
+    out.update({"metrics_at." + k: v for k, v in port.metrics(W, cfg, slots, hidden, lm_head, anchors, B, served).items()
+                if "metrics_at." + k in g})
     empty = {key: dict(s, counted=False) for key, s in slots.items()}
     out["loss.empty.loss"] = port.loss_value(empty, gamma=gamma)[0]
     out.update({"loss.empty." + k: v for k, v in port.metrics(W, cfg, empty, hidden, lm_head, anchors, B).items()
