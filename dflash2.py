@@ -566,9 +566,8 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
                 ce: −log q_y,                     y = argmax ref (the target's token)
         sel     −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(unary, K), E the edge scores (§3)
-                π = one-hot(y) ("argmax") or, "soft", p — or with soft_labels_at = (T, top_p, top_k)
-                the target's law at that sampling setting, sampling_probs(ref, T, top_p, top_k) —
-                restricted to C
+                π = one-hot(y) ("argmax") or the target's law ("soft": p, or with soft_labels_at =
+                (T, top_p, top_k) sampling_probs(ref, T, top_p, top_k)), restricted to C
 
     h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
     predecessor ids -> (unary term, selector term, Σ_{c∈C} π_c: the slot's selector weight),
