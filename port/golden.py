@@ -54,7 +54,7 @@ WALK_TEMPERATURE = 0.7         # of the sampled walk on the batch
 PROMPT = [15, 52, 52, 23, 22]
 GREEDY_NEW_TOKENS = 30
 SAMPLING = dict(temperature=1.3, top_p=0.9, top_k=3)
-SERVED = tuple(SAMPLING.values())  # (T, top_p, top_k) of soft_labels_at and accept_at: the sampled traces' setting
+SERVED = (SAMPLING["temperature"], SAMPLING["top_p"], SAMPLING["top_k"])  # soft_labels_at and accept_at's setting
 SAMPLED_NEW_TOKENS = 24
 GRADS = ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.input_layernorm.weight",
          "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",

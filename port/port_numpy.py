@@ -467,9 +467,8 @@ def metrics(W, cfg, slots, hidden, lm_head, anchors, B, accept_at=(1.0, 1.0, 0))
     out["slot_acc"] = [mean([right("unary", r, j, k) for (r, j, kk), s in slots.items() if kk == k and s["counted"]])
                        for k in range(1, B)]
     out["al_unary"] = al("unary")
-    t = accept_at[0]
-    p_at = {id(s): sampling_law(s["z"], *accept_at) for s in every}
-    out["accept_unary"] = mean([np.minimum(p_at[id(s)], sampling_law(s["U"], *accept_at)).sum() for s in every])
+    t, p_at = accept_at[0], [sampling_law(s["z"], *accept_at) for s in every]  # the target's law, slot by slot
+    out["accept_unary"] = mean([np.minimum(p, sampling_law(s["U"], *accept_at)).sum() for p, s in zip(p_at, every)])
     if cfg["K"]:
         out["recall_at_k"] = mean([s["y"] in s["C"] for s in every])
         out["selector_tf_acc"] = mean([bool(hit["tf"](s)) for s in every])
@@ -480,6 +479,6 @@ def metrics(W, cfg, slots, hidden, lm_head, anchors, B, accept_at=(1.0, 1.0, 0))
             path_acc.append(mean([right("walk", r, j, k) for r, j in reached]))
         out["selector_path_acc"] = path_acc
         out["al_selector"], out["al_oracle"] = al("walk"), al("oracle")
-        out["accept_selector"] = mean([np.minimum(p_at[id(s)][s["C"]], softmax(s["s"] / t)).sum() for s in every])
-        out["mass_at_k"] = mean([p_at[id(s)][s["C"]].sum() for s in every])
+        out["accept_selector"] = mean([np.minimum(p[s["C"]], softmax(s["s"] / t)).sum() for p, s in zip(p_at, every)])
+        out["mass_at_k"] = mean([p[s["C"]].sum() for p, s in zip(p_at, every)])
     return out
