@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-import dflash2 as D
+import dflash2
 from bench import ablation, common, cost, gpu_check
 from conftest import tiny_qwen3
 
@@ -109,14 +109,14 @@ def test_ratio_is_paired_and_slot_rate_pools_counts():
 
 
 def small_config(**overrides):
-    return D.DFlash2Config(**{**dict(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
-                                     vocab_size=50, num_target_layers=4, target_layer_ids=[1], mask_token_id=0,
-                                     num_layers=1, selector_rank=8), **overrides})
+    return dflash2.DFlash2Config(**{**dict(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
+                                           vocab_size=50, num_target_layers=4, target_layer_ids=[1], mask_token_id=0,
+                                           num_layers=1, selector_rank=8), **overrides})
 
 
 def test_without_selector_is_a_selectorless_drafter_with_the_same_weights():
     torch.manual_seed(0)
-    drafter = D.DFlash2Drafter(small_config())
+    drafter = dflash2.DFlash2Drafter(small_config())
     with torch.no_grad():
         for p in drafter.parameters():  # off the identity init: the selector would change the proposals
             p.add_(torch.randn_like(p))

@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import data as D
-import tiny_world as W
+import data
+import tiny_world
 
 # -----------------------------------------------------------------------------
 # on-policy regeneration
@@ -19,7 +19,7 @@ import tiny_world as W
 def target():
     """A tiny random Qwen3 in float64 (so cached, padded and plain forwards agree to the last
     bit) whose eos row is scaled up so that some answers stop early and others run to the limit."""
-    tokenizer = W.build_tiny_tokenizer()
+    tokenizer = tiny_world.build_tiny_tokenizer()
     torch.manual_seed(0)
     cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
@@ -76,8 +76,8 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(target):
     before = [[dict(m) for m in c] for c in CHATS]
     for batch_size in (1, 3, 8):  # batches mix rows of different lengths: left padding must not matter
         calls = []
-        got = D.regenerate_conversations(model, tokenizer, CHATS, max_new_tokens=n, batch_size=batch_size,
-                                         progress=lambda done, total: calls.append((done, total)))
+        got = data.regenerate_conversations(model, tokenizer, CHATS, max_new_tokens=n, batch_size=batch_size,
+                                            progress=lambda done, total: calls.append((done, total)))
         for c, (g, w) in enumerate(zip(got, want)):
             assert g == w, f"batch_size {batch_size}, conversation {c}: regenerated\n{g}\nplain greedy\n{w}"
         assert calls[-1] == (7, 7), f"progress calls {calls}, expected to end at (7, 7) assistant turns"
@@ -86,8 +86,8 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(target):
 
 def test_sampling_is_seeded_by_the_generator(target):
     model, tokenizer = target
-    runs = [D.regenerate_conversations(model, tokenizer, CHATS, temperature=1.0, max_new_tokens=8, batch_size=2,
-                                       generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
+    runs = [data.regenerate_conversations(model, tokenizer, CHATS, temperature=1.0, max_new_tokens=8, batch_size=2,
+                                          generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
     assert runs[0] == runs[1], f"same seed, different samples:\n{runs[0]}\n{runs[1]}"
     assert runs[0] != runs[2], "seeds 1 and 2 gave identical samples"
 
@@ -98,12 +98,12 @@ def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
     opts = dict(temperature=0.0, max_new_tokens=6, batch_size=3, template_kwargs=None, log=lambda *a: None)
-    D.regenerate_file(model, tokenizer, str(src), str(tmp_path / "straight.jsonl"), **opts)
+    data.regenerate_file(model, tokenizer, str(src), str(tmp_path / "straight.jsonl"), **opts)
     straight = (tmp_path / "straight.jsonl").read_text()
     rows = straight.count("\n")  # not splitlines(): a random target's text may hold U+2028
     assert rows == len(chats), f"{rows} rows written, want {len(chats)}"
 
-    real, calls = D.regenerate_conversations, []
+    real, calls = data.regenerate_conversations, []
 
     def die_on_second_batch(*a, **k):
         calls.append(len(a[2]))
@@ -112,15 +112,15 @@ def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
         return real(*a, **k)
 
     out = tmp_path / "killed.jsonl"
-    monkeypatch.setattr(D, "regenerate_conversations", die_on_second_batch)
+    monkeypatch.setattr(data, "regenerate_conversations", die_on_second_batch)
     with pytest.raises(KeyboardInterrupt):
-        D.regenerate_file(model, tokenizer, str(src), str(out), **opts)
+        data.regenerate_file(model, tokenizer, str(src), str(out), **opts)
     with open(out, "a") as f:  # a kill in the middle of writing a line
         f.write('{"messages": [{"role": "user", "con')
     calls.clear()
     logs = []
-    monkeypatch.setattr(D, "regenerate_conversations", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
-    D.regenerate_file(model, tokenizer, str(src), str(out), **{**opts, "log": logs.append})
+    monkeypatch.setattr(data, "regenerate_conversations", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    data.regenerate_file(model, tokenizer, str(src), str(out), **{**opts, "log": logs.append})
     assert calls == [3, 2], f"the resumed run regenerated batches of {calls}, expected the 5 unwritten rows as [3, 2]"
     assert out.read_text() == straight, "resumed output differs from the uninterrupted run's"
     assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
@@ -140,15 +140,15 @@ def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target
         text, _ = plain_greedy(model, tokenizer, want[:i], 6)
         want[i] = {**{k: v for k, v in want[i].items() if k != "reasoning_content"}, "content": text}
     calls = []
-    got = D.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=6,
-                                     progress=lambda done, total: calls.append((done, total)))
+    got = data.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=6,
+                                        progress=lambda done, total: calls.append((done, total)))
     assert got == [want], f"regenerated\n{got[0]}\nexpected\n{want}"
     assert calls[-1] == (2, 2), f"progress {calls}: 2 turns are regenerated, the tool-call turn is not one"
     tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
     src, out, logs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", []
     src.write_text(json.dumps({"messages": chat, "tools": tools}) + "\n")
-    D.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=6, batch_size=2,
-                      template_kwargs=None, log=logs.append)
+    data.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=6, batch_size=2,
+                         template_kwargs=None, log=logs.append)
     assert json.loads(out.read_text()) == {"messages": want, "tools": tools}, out.read_text()
     assert any("1 assistant turns with tool calls are kept as they are" in l for l in logs), logs
 
@@ -165,14 +165,14 @@ def test_regenerate_file_refuses_output_of_other_data(target, tmp_path, case):
                     "too many": ([row, row], r"out\.jsonl: 2 rows already, more than the 1 of the input")}[case]
     out.write_text("".join((l if isinstance(l, str) else json.dumps(l)).rstrip("\n") + "\n" for l in lines))
     with pytest.raises(ValueError, match=match):
-        D.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=4, batch_size=2,
-                          template_kwargs=None, log=lambda *a: None)
+        data.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=4, batch_size=2,
+                             template_kwargs=None, log=lambda *a: None)
 
 
 # -----------------------------------------------------------------------------
 # assistant masks: templates that reproduce the common families
 
-CHATML_PLAIN = re.sub(r"{% (end)?generation %}", "", W.CHATML)  # ChatML as most models ship it: no marks
+CHATML_PLAIN = re.sub(r"{% (end)?generation %}", "", tiny_world.CHATML)  # ChatML as most models ship it: no marks
 QWEN3_STYLE = (  # Qwen3's rules: reasoning dropped before the last user turn, a think block after it
     "{%- set ns = namespace(last_query=-1) %}"
     "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_query = loop.index0 %}{%- endif %}"
@@ -207,13 +207,13 @@ MISTRAL_STYLE = (  # the system prompt goes into the last user turn: earlier ren
     "{%- if (loop.last or loop_messages|length - loop.index0 == 2) and system is defined %}"
     "{{- '[INST] ' + system + '\\n\\n' + m.content + '[/INST]' }}{%- else %}{{- '[INST] ' + m.content + '[/INST]' }}"
     "{%- endif %}{%- elif m.role == 'assistant' %}{{- ' ' + m.content + eos_token }}{%- endif %}{%- endfor %}")
-TEMPLATES = {"chatml-generation-marks": W.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE,
+TEMPLATES = {"chatml-generation-marks": tiny_world.CHATML, "chatml": CHATML_PLAIN, "qwen3": QWEN3_STYLE, "llama3": LLAMA3_STYLE,
              "mistral": MISTRAL_STYLE}
 EOT = {"llama3": "<|eot_id|>"}
 
 
 def tokenizer_for(name):
-    tokenizer = W.build_tiny_tokenizer(TEMPLATES[name])
+    tokenizer = tiny_world.build_tiny_tokenizer(TEMPLATES[name])
     if name == "qwen3":  # added, not special, as in Qwen3's tokenizer
         tokenizer.add_tokens(["<think>", "</think>"])
     if name == "llama3":
@@ -224,7 +224,7 @@ def tokenizer_for(name):
 
 def loss_spans(tokenizer, messages, **kw):
     """The loss tokens as text, one string per contiguous run."""
-    ids, mask = D.assistant_tokens(tokenizer, messages, kw or None)
+    ids, mask = data.assistant_tokens(tokenizer, messages, kw or None)
     assert len(ids) == len(mask), f"{len(ids)} ids but {len(mask)} mask entries"
     runs, run = [], []
     for i, m in zip(ids, mask):
@@ -269,9 +269,9 @@ def test_qwen3_style_trains_the_text_the_template_renders():
 
 
 def test_a_template_without_an_end_of_turn_token_is_refused():
-    tokenizer = W.build_tiny_tokenizer("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}")
+    tokenizer = tiny_world.build_tiny_tokenizer("{%- for m in messages %}{{- m.role + ': ' + m.content + '\\n' }}{%- endfor %}")
     with pytest.raises(ValueError, match=r"the chat template writes '\\n' after an assistant turn, no special token"):
-        D.assistant_tokens(tokenizer, MULTI)
+        data.assistant_tokens(tokenizer, MULTI)
 
 
 def random_conversation(rng, name):
@@ -317,7 +317,7 @@ def test_property_loss_tokens_decode_to_the_rendered_answers(name):
     eot = EOT.get(name, "<|im_end|>")
     for trial in range(40):
         chat = random_conversation(rng, name)
-        ids, mask = D.assistant_tokens(tokenizer, chat)
+        ids, mask = data.assistant_tokens(tokenizer, chat)
         got = tokenizer.decode([i for i, m in zip(ids, mask) if m])
         want = "".join(a + eot for a in rendered_answers(chat, name))
         assert got == want, f"{name}, conversation {trial} {chat}:\nloss text {got!r}\nexpected  {want!r}"
@@ -355,7 +355,7 @@ def test_reads_every_format_and_shape(tmp_path):
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}] * 2), tmp_path / "p.parquet")
     for path, expected in ((write(tmp_path / "l.jsonl", rows + [""]), want), (str(tmp_path / "a.json"), want),
                            (write(tmp_path / "l.json", rows), want), (str(tmp_path / "p.parquet"), [CHAT] * 2)):
-        got = D.read_conversations(path)
+        got = data.read_conversations(path)
         assert got == expected, f"{path}: read\n{got}\nexpected\n{expected}"
 
 
@@ -420,7 +420,7 @@ def test_bad_input_is_one_line_naming_file_line_and_field(tmp_path, case):
     else:
         write(path, rows)
     with pytest.raises(ValueError) as e:
-        D.read_conversations(str(path))
+        data.read_conversations(str(path))
     msg = str(e.value)
     assert match in msg and "\n" not in msg, f"{case}: message {msg!r} should be one line containing {match!r}"
 
@@ -439,7 +439,7 @@ def test_every_message_field_reaches_the_conversation(tmp_path):
     sharegpt = [{"from": "human", "value": "weather?"}, {"from": "gpt", "value": "sunny", "reasoning": "easy"}]
     path = write(tmp_path / "f.jsonl", [{"messages": tool_turns, "tools": [{"type": "function"}]},
                                         {"conversations": sharegpt}])
-    got = D.located_conversations(path, "train", False, print)
+    got = data.located_conversations(path, "train", False, print)
     assert [(c, t) for _, c, t in got] == [(want, [{"type": "function"}]), (
         [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": "sunny", "reasoning": "easy"}],
         None)], got
@@ -448,7 +448,7 @@ def test_every_message_field_reaches_the_conversation(tmp_path):
                           {"role": "assistant", "content": "", "reasoning_content": "r",
                            "tool_calls": [call('{"a": 1}')]}]}, {"messages": CHAT}]
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), tmp_path / "t.parquet")
-    got = D.read_conversations(str(tmp_path / "t.parquet"))
+    got = data.read_conversations(str(tmp_path / "t.parquet"))
     assert got == [r["messages"] for r in rows], f"parquet read back as\n{got}"
 
 
@@ -456,17 +456,17 @@ def test_missing_file_directory_bad_parquet_and_parquet_row(tmp_path):
     import pyarrow
     import pyarrow.parquet
     with pytest.raises(ValueError, match=r"nope\.jsonl: no such file"):
-        D.read_conversations(str(tmp_path / "nope.jsonl"))
+        data.read_conversations(str(tmp_path / "nope.jsonl"))
     (tmp_path / "dir.jsonl").mkdir()
     with pytest.raises(ValueError, match=r"dir\.jsonl: a directory; expected a \.jsonl, \.json, \.parquet file"):
-        D.read_conversations(str(tmp_path / "dir.jsonl"))
+        data.read_conversations(str(tmp_path / "dir.jsonl"))
     (tmp_path / "bad.parquet").write_text("not parquet")
     with pytest.raises(ValueError, match=r"bad\.parquet: not a readable parquet file"):
-        D.read_conversations(str(tmp_path / "bad.parquet"))
+        data.read_conversations(str(tmp_path / "bad.parquet"))
     pyarrow.parquet.write_table(pyarrow.Table.from_pylist([{"messages": CHAT}, {"messages": CHAT[:1]}]),
                                 tmp_path / "p.parquet")
     with pytest.raises(ValueError, match=r"p\.parquet: row 1: messages: no assistant turn"):
-        D.read_conversations(str(tmp_path / "p.parquet"))
+        data.read_conversations(str(tmp_path / "p.parquet"))
 
 
 def test_drop_bad_counts_and_prints_what_it_drops(tmp_path):
@@ -474,17 +474,17 @@ def test_drop_bad_counts_and_prints_what_it_drops(tmp_path):
             {"messages": [CHAT[0], {"role": "assistant"}]}, {"messages": [{"role": "chatgpt", "content": "x"}]},
             {"messages": CHAT}]
     logs = []
-    got = D.read_conversations(write(tmp_path / "d.jsonl", rows), drop_bad=True, log=logs.append)
+    got = data.read_conversations(write(tmp_path / "d.jsonl", rows), drop_bad=True, log=logs.append)
     assert got == [CHAT, CHAT], f"kept {got}, expected the two good rows"
     want = "d.jsonl: dropped 4 of 6 rows: 2 unknown role, 1 invalid JSON, 1 missing content (first: "
     assert len(logs) == 1 and want in logs[0] and "line 2: messages[0].role: unknown role 'bot'" in logs[0], logs
     fields = [{"messages": [CHAT[0], {**CHAT[1], "tool_calls": "f()"}]}, {"messages": CHAT},
               {"messages": [CHAT[0], {**CHAT[1], "reasoning_content": 1}]}]
     logs.clear()
-    assert D.read_conversations(write(tmp_path / "f.jsonl", fields), drop_bad=True, log=logs.append) == [CHAT]
+    assert data.read_conversations(write(tmp_path / "f.jsonl", fields), drop_bad=True, log=logs.append) == [CHAT]
     assert "dropped 2 of 3 rows: 1 bad tool_calls, 1 bad reasoning_content (first: " in logs[0], logs
     with pytest.raises(ValueError, match=r"none of its 1 rows is usable \(first problem: .*line 1: messages"):
-        D.read_conversations(write(tmp_path / "x.jsonl", [{"messages": CHAT[:1]}]), drop_bad=True, log=logs.append)
+        data.read_conversations(write(tmp_path / "x.jsonl", [{"messages": CHAT[:1]}]), drop_bad=True, log=logs.append)
 
 
 # -----------------------------------------------------------------------------
@@ -497,7 +497,7 @@ def test_load_rows_truncates_and_reports_useless_rows(tmp_path):
     empty = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
     path = write(tmp_path / "r.jsonl", [{"messages": CHAT}, {"messages": long_prompt}, {"messages": empty},
                                         {"messages": MULTI}])
-    rows = D.load_rows(path, "train", tokenizer, 40, log=logs.append)
+    rows = data.load_rows(path, "train", tokenizer, 40, log=logs.append)
     assert len(rows) == 2 and rows.column_names == ["input_ids", "loss_mask"], rows
     ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
     assert isinstance(ids, torch.Tensor) and tokenizer.decode(ids[mask.bool()]) == "hello<|im_end|>", (ids, mask)
@@ -510,31 +510,31 @@ def test_load_rows_truncates_and_reports_useless_rows(tmp_path):
 def test_load_rows_names_the_row_a_template_rejects(tmp_path):
     strict = "{%- for m in messages %}{%- if m.role == 'system' %}{{ raise_exception('no system role') }}{%- endif %}" \
              + CHATML_PLAIN[len("{%- for m in messages %}"):]
-    tokenizer = W.build_tiny_tokenizer(strict)
+    tokenizer = tiny_world.build_tiny_tokenizer(strict)
     path = write(tmp_path / "s.jsonl", [{"messages": CHAT}, {"messages": [{"role": "system", "content": "s"}] + CHAT}])
     with pytest.raises(ValueError, match=r"s\.jsonl: line 2: chat template: no system role"):
-        D.load_rows(path, "train", tokenizer, 64)
+        data.load_rows(path, "train", tokenizer, 64)
     logs = []
-    assert len(D.load_rows(path, "train", tokenizer, 64, drop_bad=True, log=logs.append)) == 1
+    assert len(data.load_rows(path, "train", tokenizer, 64, drop_bad=True, log=logs.append)) == 1
     assert any("dropped 1 of 2 rows the chat template rejects (first: " in l and "line 2" in l for l in logs), logs
     tokenizer.chat_template = None
     with pytest.raises(ValueError, match="no chat template: pass --chat-template"):
-        D.load_rows(path, "train", tokenizer, 64)
+        data.load_rows(path, "train", tokenizer, 64)
 
 
 def test_chat_template_file_and_kwargs(tmp_path):
     (tmp_path / "t.jinja").write_text(CHATML_PLAIN)
-    assert D.load_chat_template(str(tmp_path / "t.jinja")) == CHATML_PLAIN
+    assert data.load_chat_template(str(tmp_path / "t.jinja")) == CHATML_PLAIN
     with pytest.raises(ValueError, match=r"--chat-template .*nope\.jinja: cannot read it"):
-        D.load_chat_template(str(tmp_path / "nope.jinja"))
+        data.load_chat_template(str(tmp_path / "nope.jinja"))
     (tmp_path / "e.jinja").write_text("\n")
     with pytest.raises(ValueError, match=r"--chat-template .*e\.jinja: the file is empty"):
-        D.load_chat_template(str(tmp_path / "e.jinja"))
-    assert D.parse_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
+        data.load_chat_template(str(tmp_path / "e.jinja"))
+    assert data.parse_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
     with pytest.raises(ValueError, match=r"--chat-template-kwargs '\{enable_thinking: false\}': invalid JSON"):
-        D.parse_template_kwargs("{enable_thinking: false}")
+        data.parse_template_kwargs("{enable_thinking: false}")
     with pytest.raises(ValueError, match=r"--chat-template-kwargs '\[1\]': expected a JSON object .* got list"):
-        D.parse_template_kwargs("[1]")
+        data.parse_template_kwargs("[1]")
 
 
 def test_hub_rows_are_named_by_split_and_index(monkeypatch):
@@ -542,7 +542,7 @@ def test_hub_rows_are_named_by_split_and_index(monkeypatch):
     rows = datasets.Dataset.from_list([{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}, CHAT[1]]}])
     monkeypatch.setattr(datasets, "load_dataset", lambda source, split: rows)
     with pytest.raises(ValueError, match=r"^org/chats \[test\]: row 1: messages\[0\]\.role: unknown role 'bot'"):
-        D.read_conversations("org/chats", "test")
+        data.read_conversations("org/chats", "test")
 
     def offline(source, split):
         raise ConnectionError(f"Couldn't reach '{source}' on the Hub\n(many more lines)")
@@ -550,7 +550,7 @@ def test_hub_rows_are_named_by_split_and_index(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", offline)
     with pytest.raises(ValueError, match=r"^org/chats: no such local file, and loading it as a hub dataset failed: "
                                          r"ConnectionError: Couldn't reach 'org/chats' on the Hub$"):
-        D.read_conversations("org/chats")
+        data.read_conversations("org/chats")
 
 
 @pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"max_new_tokens": 0},
@@ -559,4 +559,4 @@ def test_regenerate_refuses_bad_arguments(target, bad):
     model, tokenizer = target
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=rf"^{name} must be .*, got {value!r}$"):
-        D.regenerate_conversations(model, tokenizer, CHATS, **bad)
+        data.regenerate_conversations(model, tokenizer, CHATS, **bad)

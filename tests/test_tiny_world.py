@@ -7,15 +7,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tiny_world as W
+import tiny_world
 from conftest import tiny_qwen3
 from dflash2 import target_generate
 
 
 @pytest.fixture(scope="module")
 def bpe():
-    convs = W.stdlib_conversations(chunk_chars=600)
-    return W.train_bpe_tokenizer([m["content"] for c in convs[:1500] for m in c], vocab_size=1024), convs[-20:]
+    convs = tiny_world.stdlib_conversations(chunk_chars=600)
+    return tiny_world.train_bpe_tokenizer([m["content"] for c in convs[:1500] for m in c], vocab_size=1024), convs[-20:]
 
 
 def test_bpe_tokenizer_round_trips_and_compresses(bpe):
@@ -40,16 +40,16 @@ def brute_force_repeat_share(ids, run):
 
 
 def test_repeat_share_matches_brute_force():
-    assert W.repeat_share([5, 5, 5, 5, 1, 2, 2, 2, 7, 7, 7, 7, 7]) == 9 / 13
+    assert tiny_world.repeat_share([5, 5, 5, 5, 1, 2, 2, 2, 7, 7, 7, 7, 7]) == 9 / 13
     rng = random.Random(0)
     for _ in range(200):
         ids = [rng.choice([0, 1]) if rng.random() < 0.7 else rng.randrange(5) for _ in range(rng.randrange(1, 30))]
-        assert W.repeat_share(ids) == pytest.approx(brute_force_repeat_share(ids, 4)), ids
+        assert tiny_world.repeat_share(ids) == pytest.approx(brute_force_repeat_share(ids, 4)), ids
 
 
 def test_repeated_line_share_counts_repeats_within_a_text():
     texts = ["a = 1\nb = 2\na = 1\n\n\na = 1\n", "b = 2\nc = 3\n"]
-    assert W.repeated_line_share(texts) == 2 / 6, "two of six non-blank lines repeat an earlier line of their text"
+    assert tiny_world.repeated_line_share(texts) == 2 / 6, "two of six non-blank lines repeat an earlier line of their text"
 
 
 @pytest.fixture
@@ -58,20 +58,20 @@ def small_build(monkeypatch):
     them (7000+) and 256, and pretrained on 2 windows of 64 tokens a step instead of 8 of 256:
     nothing these tests check depends on those sizes, and at full size they are nearly all of
     a build's time (tokenizing the library, a step, measuring the held-out conversations)."""
-    convs, pretrain = W.stdlib_conversations(chunk_chars=600)[:120], W.pretrain_tiny_target
-    monkeypatch.setattr(W, "stdlib_conversations", lambda **kw: convs)
-    monkeypatch.setattr(W, "TINY_HELD_OUT", 8)
-    monkeypatch.setattr(W, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
+    convs, pretrain = tiny_world.stdlib_conversations(chunk_chars=600)[:120], tiny_world.pretrain_tiny_target
+    monkeypatch.setattr(tiny_world, "stdlib_conversations", lambda **kw: convs)
+    monkeypatch.setattr(tiny_world, "TINY_HELD_OUT", 8)
+    monkeypatch.setattr(tiny_world, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
 
 
 def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
     logs = []
-    target, data = W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
+    target, data = tiny_world.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3)
     model, tok = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
     assert model.config.vocab_size == len(tok) == 2048, (model.config.vocab_size, len(tok))
-    assert tok.mask_token_id is not None and tok.chat_template == W.CHATML
+    assert tok.mask_token_id is not None and tok.chat_template == tiny_world.CHATML
     rows = [json.loads(line)["messages"] for line in open(data)]
-    assert len(rows) == 4 + W.TINY_HELD_OUT, len(rows)
+    assert len(rows) == 4 + tiny_world.TINY_HELD_OUT, len(rows)
     assert all([m["role"] for m in r] == ["user", "assistant"] for r in rows), rows[0]
     # on-policy: the answer is the target's greedy continuation, not the corpus' text
     prompt = tok.apply_chat_template(rows[0][:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
@@ -82,7 +82,7 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
     assert 0 <= quality["greedy_repeated_lines"] <= 1 and 0 <= quality["corpus_repeated_lines"] < 0.1, quality
     assert any("held-out loss" in line for line in logs), logs
     logs.clear()
-    assert W.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3) == (target, data)
+    assert tiny_world.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3) == (target, data)
     assert logs == [], f"the cached world was rebuilt: {logs}"
     assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-4prompts"], "a temporary folder was left behind"
 
@@ -90,15 +90,15 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
 def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch, small_build):
     """Another process finishes while this one builds: its world stays, ours is dropped."""
     world = tmp_path / "stdlib-v2-1steps-2prompts"
-    real = W.regenerate_conversations
+    real = tiny_world.regenerate_conversations
 
     def finish_elsewhere(*a, **k):
         (world / "target").mkdir(parents=True)
         (world / "marker").write_text("theirs")
         return real(*a, **k)
-    monkeypatch.setattr(W, "regenerate_conversations", finish_elsewhere)
-    monkeypatch.setattr(W, "pretrain_tiny_target", lambda tokenizer, *a, **k: tiny_qwen3(  # any target: the race is the point
+    monkeypatch.setattr(tiny_world, "regenerate_conversations", finish_elsewhere)
+    monkeypatch.setattr(tiny_world, "pretrain_tiny_target", lambda tokenizer, *a, **k: tiny_qwen3(  # any target: the race is the point
         len(tokenizer), dtype=torch.float32, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id))
-    target, _ = W.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=1)
+    target, _ = tiny_world.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=1)
     assert target == str(world / "target") and (world / "marker").read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == [world.name], "a temporary folder was left behind"
