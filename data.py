@@ -475,7 +475,8 @@ def assistant_spans(tokenizer, messages, text, enc, facts, kw):
       text the prompt does not hold is generated: harmony's <|channel|>...<|message|>, the space
       Mistral's template writes before an answer.
     - End: the last end-of-turn token (facts["ends"]) between the turn's own text and the next
-      rendered message's own text; the newline a template writes after it is not trained.
+      rendered message's own text, or the next turn's start when that is an assistant turn too
+      (its header is prompt); the newline a template writes after it is not trained.
     Nothing here assumes that earlier renders are prefixes of later ones: Mistral moves the system
     prompt into the last user turn, Qwen3 and harmony drop the reasoning of earlier turns."""
     regions = {}
@@ -486,6 +487,29 @@ def assistant_spans(tokenizer, messages, text, enc, facts, kw):
             probe = render(tokenizer, variant, kw, facts)
             regions[j] = changed_region(text, probe), probe, marks
         return regions[j]
+
+    starts = {}
+
+    def start_of(i):  # where assistant turn i's prompt stops matching `text`; its own text starts at p
+        if i not in starts:
+            p = region(i)[0][0]
+            try:
+                prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
+            except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
+                if i:
+                    raise
+                prompt = text[:p]  # then the turn starts at its own text
+            at, at_prompt = 0, 0  # the end of the previous message's own text, in `text` and in `prompt`
+            for j in range(i - 1, -1, -1):
+                if region(j)[0] is not None:
+                    variant, _ = with_sentinels(messages[:i], j)
+                    in_prompt = changed_region(prompt, render(tokenizer, variant, kw, facts,
+                                                              add_generation_prompt=True))
+                    if in_prompt is not None:
+                        at, at_prompt = region(j)[0][1], in_prompt[1]
+                        break
+            starts[i] = at + common_prefix(text[at:p], prompt[at_prompt:])
+        return starts[i]
 
     spans, unrendered, prev_end = [], 0, 0
     ends = facts["ends"]
@@ -502,22 +526,13 @@ def assistant_spans(tokenizer, messages, text, enc, facts, kw):
         if where is None:
             raise ValueError(f"messages[{i}]: the chat template renders nothing of this assistant turn")
         p, e = where
-        try:
-            prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
-        except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
-            if i:
-                raise
-            prompt = text[:p]  # then the turn starts at its own text
-        at, at_prompt = 0, 0  # the end of the previous message's own text, in `text` and in `prompt`
-        for j in range(i - 1, -1, -1):
-            if region(j)[0] is not None:
-                variant, _ = with_sentinels(messages[:i], j)
-                in_prompt = changed_region(prompt, render(tokenizer, variant, kw, facts, add_generation_prompt=True))
-                if in_prompt is not None:
-                    at, at_prompt = region(j)[0][1], in_prompt[1]
-                    break
-        start = max(at + common_prefix(text[at:p], prompt[at_prompt:]), prev_end)
-        bound = next((region(j)[0][0] for j in range(i + 1, len(messages)) if region(j)[0] is not None), len(text))
+        start = max(start_of(i), prev_end)
+        after = next((j for j in range(i + 1, len(messages)) if region(j)[0] is not None), None)
+        bound = len(text) if after is None else region(after)[0][0]
+        if after is not None and messages[after]["role"] == "assistant" and start_of(after) > e:
+            # two assistant turns in a row: the second one's header and generation prompt lie between them,
+            # and the second one's think block holds </think>, which the reasoning probe counts as an end
+            bound = min(bound, start_of(after))
         end = max((b for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t in ends and a >= e and
                    b <= bound), default=None)
         if end is None:

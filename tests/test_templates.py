@@ -10,6 +10,8 @@ minimal template written here with the family's mechanism:
             one tool call per turn, tool turns named after the last call
   qwen3     reasoning_content, dropped before the last user turn; tool calls with string or object
             arguments; tool results merged into a user turn; enable_thinking
+  thinking  Qwen3-4B-Thinking-2507: qwen3's turns, a generation prompt that ends in <think>\n, the
+            tools in a system block
   llama31   header tokens; one tool call with `arguments | tojson` (an object), ipython results
   deepseek  a generation prompt that opens a think block the render never holds; reasoning read
             from no field; tool calls built by string concatenation (string arguments)
@@ -107,6 +109,37 @@ QWEN3 = (
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
     "{%- if enable_thinking is defined and enable_thinking is false -%}{{- '<think>\\n\\n</think>\\n\\n' -}}"
     "{%- endif -%}{%- endif -%}")
+THINKING = (
+    "{%- if tools -%}{{- '<|im_start|>system\\n' + (messages[0].content + '\\n\\n' if messages[0].role == 'system'"
+    " else '') + '# Tools\\n<tools>' -}}{%- for t in tools -%}{{- '\\n' + t | tojson -}}{%- endfor -%}"
+    "{{- '\\n</tools><|im_end|>\\n' -}}{%- elif messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- set ns = namespace(multi_step_tool=true, last_query=messages | length - 1) -%}"
+    "{%- for m in messages[::-1] -%}"
+    "{%- if ns.multi_step_tool and m.role == 'user' and not m.content.startswith('<tool_response>') -%}"
+    "{%- set ns.multi_step_tool = false -%}{%- set ns.last_query = messages | length - 1 - loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- for m in messages -%}{%- if m.role == 'user' or (m.role == 'system' and not loop.first) -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'assistant' -%}{%- set content = m.content -%}{%- set reasoning = '' -%}"
+    "{%- if m.reasoning_content is string -%}{%- set reasoning = m.reasoning_content -%}"
+    "{%- elif '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{%- if loop.index0 > ns.last_query and (loop.last or reasoning) -%}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n'"
+    " + content.lstrip('\\n') -}}"
+    "{%- else -%}{{- '<|im_start|>assistant\\n' + content -}}{%- endif -%}"
+    "{%- for c in m.tool_calls or [] -%}{%- set c = c.function if c.function is defined else c -%}"
+    "{{- ('\\n' if content or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + c.name + '\", \"arguments\": '"
+    " + (c.arguments if c.arguments is string else c.arguments | tojson) + '}\\n</tool_call>' -}}{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- ('<|im_start|>user' if loop.first or messages[loop.index0 - 1].role != 'tool' else '')"
+    " + '\\n<tool_response>\\n' + m.content + '\\n</tool_response>'"
+    " + ('<|im_end|>\\n' if loop.last or messages[loop.index0 + 1].role != 'tool' else '') -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}")
 LLAMA31 = (
     "{{- '<|begin_of_text|>' -}}{%- for m in messages -%}"
     "{%- if m.role == 'assistant' and m.tool_calls is defined -%}"
@@ -147,6 +180,8 @@ FAMILIES = {  # template, special tokens, plain added tokens (as the real tokeni
     "harmony": (HARMONY, ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>"], []),
     "qwen3": (QWEN3, [], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                           "</tool_response>"]),
+    "thinking": (THINKING, [], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
+                                "</tool_response>"]),
     "llama31": (LLAMA31, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], []),
     "deepseek": (DEEPSEEK, ["<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<｜end▁of▁sentence｜>",
                             "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁output▁begin｜>",
@@ -222,6 +257,21 @@ CASES = {  # (family, case): (messages, template kwargs, tools, the trained text
         ["«c1»<|im_end|>", "«c2»<|im_end|>"]),
     ("qwen3", "thinking on, last turn without reasoning"): (
         [U("«u1»"), A("«c1»")], {}, None, ["<think>\n\n</think>\n\n«c1»<|im_end|>"]),
+    ("qwen3", "two assistant turns in a row"): (  # the second one's header is prompt
+        [U("«u1»"), A("«c1»"), A("«c2»", reasoning_content="«r2»"), A("«c3»")], {}, None,
+        ["«c1»<|im_end|>", "<think>\n«r2»\n</think>\n\n«c2»<|im_end|>", "<think>\n\n</think>\n\n«c3»<|im_end|>"]),
+    ("thinking", "reasoning, tools"): (  # the generation prompt holds <think>\n, so every turn starts after it
+        [S("«s»"), U("«u1»"), A("«c1»", reasoning_content="«r1»"), U("«u2»"),
+         A("", reasoning_content="«r2»", tool_calls=[call("get", ARGS)]), T("«t1»"), A("«c3»", reasoning_content="«r3»")],
+        {}, [{"type": "function", "function": {"name": "get"}}],
+        ["«c1»<|im_end|>",
+         '«r2»\n</think>\n\n<tool_call>\n{"name": "get", "arguments": {"city": "«x1»"}}\n</tool_call><|im_end|>',
+         "«r3»\n</think>\n\n«c3»<|im_end|>"]),
+    ("thinking", "two assistant turns in a row"): (
+        [U("«u1»"), A("«c1»"), A("", reasoning_content="«r2»", tool_calls=[call("get", ARGS)]), A("«c3»")], {}, None,
+        ["«c1»<|im_end|>",
+         '«r2»\n</think>\n\n<tool_call>\n{"name": "get", "arguments": {"city": "«x1»"}}\n</tool_call><|im_end|>',
+         "\n</think>\n\n«c3»<|im_end|>"]),
     ("llama31", "system, tools"): (
         [S("«s»"), U("«u1»"), A("", tool_calls=[call("get", json.dumps(ARGS))]), T("«t1»"), A("«c2»"), U("«u3»")],
         {}, None, ['{"name": "get", "parameters": {"city": "«x1»"}}<|eot_id|>', "«c2»<|eot_id|>"]),
