@@ -2,8 +2,10 @@
 Chat data -> training rows for train.py (ALGORITHM.md §6 Data).
 
     conversations = read_conversations("chats.jsonl")       # [[{"role", "content", ...}, ...], ...]
-    conversations = regenerate_conversations(target, tokenizer, conversations)   # the target's own answers
     rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)            # input_ids / loss_mask
+    ids, attention_mask, loss_mask = collate(rows[0:8], tokenizer.pad_token_id, device)
+
+(The target's own answers, on-policy data, are regenerate.py's job.)
 
 A conversation is a list of {"role": system | user | assistant | tool, "content": str, ...}:
 every other field of a message (tool_calls, reasoning_content / reasoning / thinking,
@@ -27,13 +29,9 @@ Decisions:
   reasoning it does not render is counted and printed;
 - OpenAI list content keeps its text parts joined by newlines (as vLLM joins them); any
   other part is an error;
-- rows with fewer than 2 loss tokens after truncation are dropped, counted and printed;
-- regeneration keeps assistant turns with tool calls (it cannot run the tools that answer
-  them) and decodes with its own loop rather than `generate`: a torch.Generator seeds the
-  sampling, and the stop tokens are the template's end-of-turn token and the eos.
+- rows with fewer than 2 loss tokens after truncation are dropped, counted and printed.
 """
 import json
-import os
 import re
 import time
 from collections import Counter
@@ -42,7 +40,6 @@ from pathlib import Path
 import datasets
 import jinja2
 import torch
-import transformers
 
 # -----------------------------------------------------------------------------
 # chat template options: --chat-template FILE, --chat-template-kwargs JSON
@@ -70,27 +67,6 @@ def parse_template_kwargs(text):
         raise ValueError(f"--chat-template-kwargs {text!r}: expected a JSON object such as "
                          f"'{{\"enable_thinking\": false}}', got {type(value).__name__}")
     return value
-
-
-def check_target_path(target):
-    """A local folder must be a model folder; anything else that exists locally is a mistake,
-    not a hub id (transformers would otherwise blame a missing tokenizer package)."""
-    p = Path(target)
-    if p.is_dir() and not (p / "config.json").is_file():
-        raise ValueError(f"--target {target}: the folder has no config.json, it is not a Hugging Face model folder")
-    if p.exists() and not p.is_dir():
-        raise ValueError(f"--target {target}: a file, expected a model folder or a hub id")
-
-
-def load_tokenizer(target, chat_template=None):
-    """The target's tokenizer, with --chat-template's text if given and a pad token."""
-    check_target_path(target)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(target)
-    if chat_template:
-        tokenizer.chat_template = load_chat_template(chat_template)
-    if tokenizer.pad_token is None:  # padding is masked everywhere, any real token will do
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
 
 
 # -----------------------------------------------------------------------------
@@ -211,7 +187,7 @@ def check_tool_calls(calls, where, field):
         json_object(fn["arguments"], where, f"{f}.arguments", "an object or a string holding a JSON object")
 
 
-def conversation(row, where):
+def conversation(row, where, need_answer=True):
     """One row -> [{"role", "content", ...}]: 'messages' or 'conversations', role/content or
     from/value, every other field of a message kept for the chat template (tool_calls,
     reasoning_content / reasoning / thinking, tool_call_id, name, ...). Fields a template reads
@@ -257,8 +233,9 @@ def conversation(row, where):
             raise BadRow(f"{where}: {field}: {' and '.join(k for k in REASONING if k in m)} differ; keep one "
                          "reasoning field", "bad reasoning")
         out.append({"role": ROLES[role], "content": message_text(content, where, f"{field}.content"), **m})
-    if not any(m["role"] == "assistant" for m in out):
-        raise BadRow(f"{where}: {key}: no assistant turn (roles: {', '.join(m['role'] for m in out) or 'none'})",
+    if not any(m["role"] == "assistant" for m in out) and (need_answer or not out or out[-1]["role"] != "user"):
+        raise BadRow(f"{where}: {key}: no assistant turn (roles: {', '.join(m['role'] for m in out) or 'none'})"
+                     + ("" if need_answer else "; a row to regenerate needs one, or must end with a user turn"),
                      "no assistant turn")
     return out
 
@@ -279,7 +256,7 @@ def row_tools(row, where):
     return tools or None
 
 
-def located_conversations(source, split, drop_bad, log):
+def located_conversations(source, split, drop_bad, log, need_answer=True):
     """read_conversations, each conversation with its `where` and tools -> [(where, conversation, tools)]."""
     rows = raw_rows(source, split)
     if not rows:
@@ -289,7 +266,7 @@ def located_conversations(source, split, drop_bad, log):
         try:
             if isinstance(row, BadRow):
                 raise row
-            out.append((where, conversation(row, where), row_tools(row, where)))
+            out.append((where, conversation(row, where, need_answer), row_tools(row, where)))
         except BadRow as e:
             if not drop_bad:
                 raise
@@ -303,14 +280,15 @@ def located_conversations(source, split, drop_bad, log):
     return out
 
 
-def read_conversations(source, split="train", drop_bad=False, log=print):
+def read_conversations(source, split="train", drop_bad=False, log=print, need_answer=True):
     """Local .jsonl / .json (an array or JSON lines) / .parquet, or a hub dataset id (`split`) ->
     list of conversations. Each row holds 'messages' or 'conversations': role/content (OpenAI) or
     from/value (ShareGPT; human -> user, gpt/model -> assistant); list content keeps its text
     parts; every other message field is kept (see `conversation`). Every row needs an assistant
-    turn. A bad row raises ValueError naming the file, the line/row and the field; with
-    drop_bad=True bad rows are dropped, counted and printed instead."""
-    return [c for _, c, _ in located_conversations(source, split, drop_bad, log)]
+    turn; with need_answer=False (rows to regenerate) a row may end with a user turn instead. A
+    bad row raises ValueError naming the file, the line/row and the field; with drop_bad=True
+    bad rows are dropped, counted and printed instead."""
+    return [c for _, c, _ in located_conversations(source, split, drop_bad, log, need_answer)]
 
 
 # -----------------------------------------------------------------------------
@@ -638,173 +616,7 @@ def load_rows(data, split, tokenizer, seq_len, *, template_kwargs=None, drop_bad
 
 
 # -----------------------------------------------------------------------------
-# on-policy data: every assistant turn answered again by the target
-
-
-@torch.no_grad()
-def generate(target, prompts, stop_ids, max_new_tokens, temperature, generator, pad_id):
-    """Batched decoding of token-id prompts of any lengths, left-padded so that every row's
-    next token sits in the last column. -> list of new ids per prompt, the stop token excluded.
-    Positions count real tokens only, so a row's result does not depend on its padding."""
-    device = target.device
-    S = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (S - len(p)) + p for p in prompts], device=device)  # (b, S)
-    attn = torch.tensor([[0] * (S - len(p)) + [1] * len(p) for p in prompts], device=device)
-    pos = (attn.cumsum(-1) - 1).clamp(min=0)
-    stops = torch.tensor(sorted(stop_ids), device=device)
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    cache, new = None, []
-    for _ in range(max_new_tokens):
-        out = target(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                     logits_to_keep=1)
-        logits, cache = out.logits[:, -1].float(), out.cache  # (b, V)
-        if temperature > 0:
-            tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        else:
-            tok = logits.argmax(-1)
-        new.append(tok.masked_fill(done, pad_id))
-        done |= torch.isin(tok, stops)
-        if done.all():
-            break
-        ids, pos = tok[:, None], pos[:, -1:] + 1
-        attn = torch.cat([attn, torch.ones_like(ids)], 1)
-    rows = torch.stack(new, 1).tolist() if new else [[] for _ in prompts]
-    stop_set = set(stop_ids)
-    return [r[:next((i for i, t in enumerate(r) if t in stop_set), len(r))] for r in rows]
-
-
-def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.0, max_new_tokens=256, batch_size=8,
-                             template_kwargs=None, tools=None, generator=None, progress=None):
-    """Replace every assistant turn, in order, with the target's own response to the conversation
-    so far (earlier turns already replaced): rendered with the chat template and its generation
-    prompt (and the conversation's tools: `tools` holds one list or None per conversation),
-    decoded until the end-of-turn token, the tokenizer's eos or the target's generation_config
-    eos, or max_new_tokens; the end-of-turn text is not part of the content. The decoded text is
-    the new content, reasoning included as the target writes it (Qwen3's <think>...</think>), so
-    the turn's reasoning fields go; its other fields stay. temperature 0 is greedy; `generator`
-    (on the target's device) seeds sampling. `progress(done, total)` is called after each batch,
-    counting regenerated turns. -> new conversations (the input is not modified).
-
-    An assistant turn with tool_calls is kept as it is: the tool results after it answer those
-    calls, and regeneration cannot run tools to answer different ones. The turns after the
-    results are regenerated (they answer results that stay valid); other turns are kept.
-
-    Turn k of a conversation needs its turn k-1, so the work goes round by round: each round
-    answers the next pending turn of every conversation, in batches of prompts sorted by length."""
-    if not temperature >= 0:  # also refuses nan
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
-    for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
-        if not (isinstance(value, int) and value > 0):
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    facts = template_facts(tokenizer, template_kwargs)
-    eot_text, eot_id = facts["eot"]
-    eos = target.generation_config.eos_token_id
-    stop_ids = {eot_id, tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])} - {None}
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eot_id
-    tools = tools or [None] * len(conversations)
-    out = [[dict(m) for m in c] for c in conversations]
-    pending = [[i for i, m in enumerate(c) if m["role"] == "assistant" and "tool_calls" not in m] for c in out]
-    total, done = sum(len(p) for p in pending), 0
-    while any(pending):
-        turns = []  # (conversation, turn, prompt ids)
-        for c, p in enumerate(pending):
-            if p:
-                kw = {**facts["kw"], **({"tools": tools[c]} if tools[c] else {})}
-                prompt = render(tokenizer, out[c][:p[0]], kw, facts, add_generation_prompt=True)
-                turns.append((c, p.pop(0), tokenizer(prompt, add_special_tokens=False)["input_ids"]))
-        turns.sort(key=lambda t: len(t[2]))
-        for b in range(0, len(turns), batch_size):
-            batch = turns[b:b + batch_size]
-            answers = generate(target, [t[2] for t in batch], stop_ids, max_new_tokens, temperature, generator, pad_id)
-            for (c, i, _), answer in zip(batch, answers):
-                kept = {k: v for k, v in out[c][i].items() if k not in REASONING}
-                out[c][i] = {**kept, "content": tokenizer.decode(answer).split(eot_text)[0]}
-            done += len(batch)
-            if progress:
-                progress(done, total)
-    return out
-
-
-def written_rows(out_path, conversations, log):
-    """How many conversations a killed regenerate_file already wrote to out_path. A torn last line
-    (the kill came mid-write) is cut off; a line whose non-assistant turns differ from the input's
-    means out_path belongs to other data, and is an error rather than a silent mix."""
-    path = Path(out_path)
-    if not path.exists():
-        return 0
-    raw = path.read_bytes()
-    whole = raw[:raw.rfind(b"\n") + 1]
-    if len(whole) < len(raw):
-        with open(path, "r+b") as f:
-            f.truncate(len(whole))
-        log(f"{out_path}: cut a torn last line ({len(raw) - len(whole)} bytes) left by a killed run")
-    lines = whole.decode("utf-8").split("\n")[:-1]
-    if len(lines) > len(conversations):
-        raise ValueError(f"{out_path}: {len(lines)} rows already, more than the {len(conversations)} of the input; "
-                         "written from other data? delete it to start over")
-    prompts = lambda c: [(m["role"], m["content"] if m["role"] != "assistant" else None) for m in c]
-    for n, (line, c) in enumerate(zip(lines, conversations), 1):
-        try:
-            written = json.loads(line)["messages"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f"{out_path}: line {n}: not a row this command wrote ({line[:60]!r}); delete the file "
-                             "to start over") from None
-        if prompts(written) != prompts(c):
-            raise ValueError(f"{out_path}: line {n}: its non-assistant turns differ from the input's conversation "
-                             f"{n}: written from other data? delete it to start over")
-    return len(lines)
-
-
-def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_new_tokens, batch_size, template_kwargs,
-                    log):
-    """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
-    {"messages": [...]} rows (plus the row's "tools") in the input's order. Rows are appended
-    batch by batch, so a killed run started again with the same arguments resumes after the last
-    complete row. Assistant turns with tool calls are kept as they are, counted and printed. The
-    input is read here again: to report its errors before the target's weights load, call
-    read_conversations(in_path) first."""
-    rows = located_conversations(in_path, "train", False, log)
-    conversations, tools = [c for _, c, _ in rows], [t for _, _, t in rows]
-    start = written_rows(out_path, conversations, log)
-    if start:
-        log(f"{out_path}: {start} of {len(conversations)} conversations already regenerated, resuming")
-    calls = sum("tool_calls" in m for c in conversations for m in c)
-    if calls:
-        log(f"{in_path}: {calls} assistant turns with tool calls are kept as they are (regeneration cannot run the "
-            f"tools that would answer other calls); the other assistant turns are regenerated")
-    t0 = time.time()
-    with open(out_path, "a", encoding="utf-8") as f:
-        for b in range(start, len(conversations), batch_size):
-            chunk = regenerate_conversations(target, tokenizer, conversations[b:b + batch_size],
-                                             temperature=temperature, max_new_tokens=max_new_tokens,
-                                             batch_size=batch_size, template_kwargs=template_kwargs,
-                                             tools=tools[b:b + batch_size])
-            f.write("".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"
-                            for c, t in zip(chunk, tools[b:b + batch_size])))
-            f.flush()
-            done = b + len(chunk)
-            eta = (time.time() - t0) / (done - start) * (len(conversations) - done)
-            log(f"regenerate {done}/{len(conversations)} conversations | {time.time() - t0:.0f}s | "
-                f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
-
-
-# -----------------------------------------------------------------------------
-# the drafter's inputs: a mask token id, padded batches
-
-
-def choose_mask_token(flag, tokenizer, num_rows):
-    """An id that exists in the target's embedding table but is never a real word."""
-    if flag is not None:
-        if not 0 <= flag < num_rows:
-            raise ValueError(f"--mask-token-id {flag} is outside the target's embedding table [0, {num_rows})")
-        return flag
-    if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < num_rows:
-        return tokenizer.mask_token_id
-    unused = sorted(set(range(num_rows)) - set(tokenizer.get_vocab().values()))
-    if not unused:
-        raise ValueError("the tokenizer has no mask token and every target embedding row is a real token: "
-                         "pass --mask-token-id with an id you know is unused")
-    return unused[0]
+# batches
 
 
 def pad(rows, value):
@@ -821,29 +633,3 @@ def collate(cols, pad_id, device):
     ids, attn = pad(cols["input_ids"], pad_id)
     loss_mask, _ = pad(cols["loss_mask"], 0)
     return ids.to(device), attn.to(device), loss_mask.to(device)
-
-
-# -----------------------------------------------------------------------------
-# the target, and the --regenerate job of train.py
-
-
-def load_target(target, dtype_flag, device):
-    """Frozen, in bfloat16 on GPU and float32 on CPU unless --dtype says otherwise."""
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype_flag == "auto" else \
-        getattr(torch, dtype_flag)
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=dtype).to(device)
-    return model.eval().requires_grad_(False)
-
-
-def regenerate(args, log=print):
-    """--regenerate: the target answers every assistant turn of --data itself (on-policy data)."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (args.target and args.data):
-        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
-    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    read_conversations(args.data, args.data_split, log=log)  # input errors before the weights load
-    tokenizer = load_tokenizer(args.target, args.chat_template)
-    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
-                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
-                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
-    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from data import regenerate_conversations
+from regenerate import regenerate_conversations
 
 # ChatML; {% generation %} marks assistant tokens, so return_assistant_tokens_mask works
 CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"

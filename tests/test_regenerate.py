@@ -1,0 +1,174 @@
+"""Tests of regenerate.py: on-policy answers are the target's own greedy (or seeded)
+continuations, resumable files, prompt-only rows. A tiny random target and a byte-level
+tokenizer built on the spot; no downloads, CPU only."""
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+import regenerate
+import tiny_world
+
+@pytest.fixture(scope="module")
+def target():
+    """A tiny random Qwen3 in float64 (so cached, padded and plain forwards agree to the last
+    bit) whose eos row is scaled up so that some answers stop early and others run to the limit."""
+    tokenizer = tiny_world.build_tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
+                      initializer_range=0.5, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model = Qwen3ForCausalLM(cfg).double().eval()
+    with torch.no_grad():
+        model.lm_head.weight[tokenizer.eos_token_id] *= 3
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a model this small runs ~10x slower when its threads fight for a busy CPU
+    yield model, tokenizer
+    torch.set_num_threads(threads)
+
+
+def plain_greedy(model, tokenizer, messages, max_new_tokens):
+    """Argmax loop over full forwards of the unpadded prompt: no cache, no batch. -> (text, stopped)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    new = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+        if tok == tokenizer.eos_token_id:
+            return tokenizer.decode(new), True
+        new.append(tok)
+    return tokenizer.decode(new), False
+
+
+CHATS = [
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old answer"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a longer first question " * 3},
+     {"role": "assistant", "content": "old 1"}, {"role": "user", "content": "and then?"},
+     {"role": "assistant", "content": "old 2"}, {"role": "user", "content": "trailing"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "old"}, {"role": "user", "content": "yy"},
+     {"role": "assistant", "content": "old"}, {"role": "user", "content": "zzz"},
+     {"role": "assistant", "content": "o"}],
+    [{"role": "user", "content": "no answer here"}],
+    [{"role": "user", "content": "medium length prompt"}, {"role": "assistant", "content": "old"}],
+]
+
+
+def test_regenerated_turns_are_the_targets_greedy_continuations(target):
+    model, tokenizer = target
+    n = 12
+    want, stopped = [], []
+    for chat in CHATS:  # each assistant turn answers the conversation so far, earlier turns already replaced
+        chat = [dict(m) for m in chat] + [{"role": "assistant"}] * (chat[-1]["role"] == "user")  # and a last user turn
+        for i, m in enumerate(chat):
+            if m["role"] == "assistant":
+                text, stop = plain_greedy(model, tokenizer, chat[:i], n)
+                chat[i] = {"role": "assistant", "content": text}
+                stopped.append(stop)
+        want.append(chat)
+    assert any(stopped) and not all(stopped), f"the test target should stop early on some turns only: {stopped}"
+    before = [[dict(m) for m in c] for c in CHATS]
+    for batch_size in (1, 3, 8):  # batches mix rows of different lengths: left padding must not matter
+        calls = []
+        got = regenerate.regenerate_conversations(model, tokenizer, CHATS, max_new_tokens=n, batch_size=batch_size,
+                                                  progress=lambda done, total: calls.append((done, total)))
+        for c, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"batch_size {batch_size}, conversation {c}: regenerated\n{g}\nplain greedy\n{w}"
+        assert calls[-1] == (9, 9), f"progress calls {calls}, expected to end at (9, 9): 7 assistant turns, 2 last " \
+            "user turns answered"
+    assert CHATS == before, "regenerate_conversations modified its input"
+
+
+def test_sampling_is_seeded_by_the_generator(target):
+    model, tokenizer = target
+    runs = [regenerate.regenerate_conversations(model, tokenizer, CHATS, temperature=1.0, max_new_tokens=8, batch_size=2,
+                                          generator=torch.Generator().manual_seed(seed)) for seed in (1, 1, 2)]
+    assert runs[0] == runs[1], f"same seed, different samples:\n{runs[0]}\n{runs[1]}"
+    assert runs[0] != runs[2], "seeds 1 and 2 gave identical samples"
+
+
+def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
+    model, tokenizer = target
+    chats = [c for c in CHATS if any(m["role"] == "assistant" for m in c)] * 2  # 8 conversations
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    opts = dict(temperature=0.0, max_new_tokens=6, batch_size=3, template_kwargs=None, log=lambda *a: None)
+    regenerate.regenerate_file(model, tokenizer, str(src), str(tmp_path / "straight.jsonl"), **opts)
+    straight = (tmp_path / "straight.jsonl").read_text()
+    rows = straight.count("\n")  # not splitlines(): a random target's text may hold U+2028
+    assert rows == len(chats), f"{rows} rows written, want {len(chats)}"
+
+    real, calls = regenerate.regenerate_conversations, []
+
+    def die_on_second_batch(*a, **k):
+        calls.append(len(a[2]))
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    out = tmp_path / "killed.jsonl"
+    monkeypatch.setattr(regenerate, "regenerate_conversations", die_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        regenerate.regenerate_file(model, tokenizer, str(src), str(out), **opts)
+    with open(out, "a") as f:  # a kill in the middle of writing a line
+        f.write('{"messages": [{"role": "user", "con')
+    calls.clear()
+    logs = []
+    monkeypatch.setattr(regenerate, "regenerate_conversations", lambda *a, **k: calls.append(len(a[2])) or real(*a, **k))
+    regenerate.regenerate_file(model, tokenizer, str(src), str(out), **{**opts, "log": logs.append})
+    assert calls == [3, 2], f"the resumed run regenerated batches of {calls}, expected the 5 unwritten rows as [3, 2]"
+    assert out.read_text() == straight, "resumed output differs from the uninterrupted run's"
+    assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
+
+
+def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target, tmp_path):
+    model, tokenizer = target
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "reasoning_content": "look it up",
+             "tool_calls": [{"type": "function", "id": "abcdefghi",
+                             "function": {"name": "get", "arguments": '{"city": "Paris"}'}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "abcdefghi", "name": "get"},
+            {"role": "assistant", "content": "old", "reasoning_content": "old reasoning", "weight": 0.5},
+            {"role": "user", "content": "thanks"}, {"role": "assistant", "content": "old 2"}]
+    want = [dict(m) for m in chat]
+    for i in (3, 5):  # the turns after the tool result are the target's; the tool-call turn stays as it was
+        text, _ = plain_greedy(model, tokenizer, want[:i], 6)
+        want[i] = {**{k: v for k, v in want[i].items() if k != "reasoning_content"}, "content": text}
+    calls = []
+    got = regenerate.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=6,
+                                        progress=lambda done, total: calls.append((done, total)))
+    assert got == [want], f"regenerated\n{got[0]}\nexpected\n{want}"
+    assert calls[-1] == (2, 2), f"progress {calls}: 2 turns are regenerated, the tool-call turn is not one"
+    tools = [{"type": "function", "function": {"name": "get", "parameters": {}}}]
+    src, out, logs = tmp_path / "in.jsonl", tmp_path / "out.jsonl", []
+    src.write_text(json.dumps({"messages": chat, "tools": tools}) + "\n")
+    regenerate.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=6, batch_size=2,
+                         template_kwargs=None, log=logs.append)
+    assert json.loads(out.read_text()) == {"messages": want, "tools": tools}, out.read_text()
+    assert any("1 assistant turns with tool calls are kept as they are" in l for l in logs), logs
+
+
+@pytest.mark.parametrize("case", ["other prompt", "not ours", "too many"])
+def test_regenerate_file_refuses_output_of_other_data(target, tmp_path, case):
+    model, tokenizer = target
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(json.dumps({"messages": CHATS[0]}) + "\n")
+    row = json.dumps({"messages": CHATS[0]}) + "\n"
+    lines, match = {"other prompt": ([{"messages": [{"role": "user", "content": "other"}, CHATS[0][1]]}],
+                                     r"out\.jsonl: line 1: its non-assistant turns differ from the input's"),
+                    "not ours": (["[1]"], r"out\.jsonl: line 1: not a row this command wrote \('\[1\]'\)"),
+                    "too many": ([row, row], r"out\.jsonl: 2 rows already, more than the 1 of the input")}[case]
+    out.write_text("".join((l if isinstance(l, str) else json.dumps(l)).rstrip("\n") + "\n" for l in lines))
+    with pytest.raises(ValueError, match=match):
+        regenerate.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=4, batch_size=2,
+                             template_kwargs=None, log=lambda *a: None)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"max_new_tokens": 0},
+                                 {"max_new_tokens": 2.5}, {"batch_size": 0}])
+def test_regenerate_refuses_bad_arguments(target, bad):
+    model, tokenizer = target
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=rf"^{name} must be .*, got {value!r}$"):
+        regenerate.regenerate_conversations(model, tokenizer, CHATS, **bad)
