@@ -749,7 +749,7 @@ def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
         x = x.masked_fill(x < kth, float("-inf"))
     p = torch.softmax(x, dim=-1)
     if top_p < 1.0:
-        sorted_p, order = p.sort(dim=-1, descending=True)
+        sorted_p, order = p.sort(dim=-1, descending=True, stable=True)  # ties: lower id first, on every device
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
         p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)  # back to vocab order
         p = p / p.sum(-1, keepdim=True)

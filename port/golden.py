@@ -31,6 +31,7 @@ import shutil
 import torch
 from safetensors.numpy import load_file, save_file
 
+import checkpoint
 import dflash2
 
 TIE_MARGIN = 1e-4
@@ -542,7 +543,7 @@ def trained_drafters(weights_from=None):
     if weights_from is None:
         return target, train(drafter, target, STEPS, SEED + 6), train(v1, target, STEPS_V1, SEED + 7)
     for model, folder in ((drafter, "drafter"), (v1, "drafter_v1")):
-        model.load_state_dict(dflash2.DFlash2Drafter.from_pretrained(os.path.join(weights_from, folder)).state_dict())
+        model.load_state_dict(checkpoint.load_export(os.path.join(weights_from, folder)).state_dict())
     return target, drafter.eval(), v1.eval()
 
 
@@ -690,17 +691,15 @@ def _compute(weights_from):
 def put_losses(put, drafter, target, batch, inp):
     """§6 per slot, the loss variants, the metrics, the data-parallel split and the gradients."""
     c = drafter.config
-    B, (b, S_) = c.block_size, batch["input_ids"].shape
+    B, b = c.block_size, batch["input_ids"].shape[0]
     anchors, lm_head = batch["anchors"], target.get_output_embeddings()
-    t = anchors[:, :, None] + torch.arange(1, B)
-    t_in = t.clamp(max=S_ - 1)
-    counted = batch["anchor_valid"][:, :, None] & (t < S_) & batch["loss_mask"].bool().gather(1, t_in.view(b, -1)).view_as(t)
+    counted, src = dflash2.block_slots(anchors, batch["anchor_valid"], batch["loss_mask"], B)
     rows = torch.arange(b)[:, None, None]
-    prev = batch["input_ids"][rows, t_in - 1]
+    prev = batch["input_ids"][rows, src]
     w = torch.exp(-torch.arange(B - 1, dtype=torch.float) / dflash2.default_gamma(B)) * counted
     with torch.no_grad():
         h = blocks_forward(drafter, target, inp)[0].view(b, -1, B, H)[:, :, 1:]
-        unary, ref = dflash2.head_logits(lm_head, h), inp["target_logits"][rows, t_in - 1]
+        unary, ref = dflash2.head_logits(lm_head, h), inp["target_logits"][rows, src]
         kl, sel, in_c = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl")
         ce = dflash2.slot_losses(h, unary, ref, prev, None, "ce")[0]
         _, sel_soft, mass = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl",
@@ -721,7 +720,7 @@ def put_losses(put, drafter, target, batch, inp):
 
     def loss(**kw):
         return dflash2.dflash2_loss(drafter, target, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                    inp["hidden_states"], anchors, batch["anchor_valid"], **kw)
+                                    inp["hidden_states"], anchors, batch["anchor_valid"], dflash2.LossConfig(**kw))
 
     cases = {"kl": ({}, "L_unary with ℓ_kl + α·L_sel with argmax labels, α = 1, γ = the default (training's default)"),
              "ce": (dict(loss_type="ce"), "ℓ_ce instead of ℓ_kl"),
@@ -799,7 +798,7 @@ def write_golden(out_dir, force=False, weights_from=None):
     target.save_pretrained(os.path.join(out_dir, "target"))
     for name, model in drafters.items():
         dtype = torch.float32 if name in ("drafter", "drafter_v1") else torch.bfloat16
-        model.save_pretrained(os.path.join(out_dir, name), dtype)
+        checkpoint.save_export(model, os.path.join(out_dir, name), dtype)
     arrays = {k: v.numpy() for k, v in rec.items()}
     save_file(arrays, os.path.join(out_dir, "golden.safetensors"))
     manifest = {"format": "dflash2-golden/2", "tie_margin": TIE_MARGIN,

@@ -185,7 +185,8 @@ def inverse_cdf(probs, u):
 
 def sampling_law(z, T, top_p=1.0, top_k_=0):
     """§4: softmax(z/T); top-k keeps every logit >= the k-th largest; top-p then keeps a token
-    iff the mass before it (sorted descending) is < top_p; renormalised."""
+    iff the mass before it is < top_p, measured on the top-k survivors' renormalised law sorted
+    descending, equal probabilities in id order; renormalised."""
     x = z / T
     if top_k_:
         x = np.where(x >= np.sort(x)[-top_k_], x, -np.inf)
@@ -196,6 +197,12 @@ def sampling_law(z, T, top_p=1.0, top_k_=0):
         p[order[before >= top_p]] = 0
         p /= p.sum()
     return p
+
+
+def residual_law(p, q):
+    """§4: normalise(max(0, p − q)), or p where that is all 0 (p = q: nothing is ever rejected)."""
+    r = np.maximum(p - q, 0)
+    return r / r.sum() if r.sum() > 0 else p
 
 
 def walk(W, h, U, anchor, K, T=0.0, uniforms=None):
@@ -247,11 +254,7 @@ def verify(draft, logits, sampling=None, q=None, candidates=None, u_accept=None,
         if not u_accept[m] < ratios[m]:
             n_acc = m
             break
-    if n_acc < len(draft):
-        law = np.maximum(p[n_acc] - qv[n_acc], 0)
-        law = law / law.sum() if law.sum() > 0 else p[n_acc]
-    else:
-        law = p[n_acc]
+    law = residual_law(p[n_acc], qv[n_acc]) if n_acc < len(draft) else p[n_acc]
     return n_acc, inverse_cdf(law, u_bonus), dict(p=p, accept_probability=ratios, bonus_law=law)
 
 
@@ -259,22 +262,23 @@ def verify(draft, logits, sampling=None, q=None, candidates=None, u_accept=None,
 # §5: the loop, with the target's answers replayed from a recording
 
 
-def replay(W, cfg, embed, lm_head, prompt, calls, max_new_tokens, sampling=None, uniforms=None):
+def replay(W, cfg, embed, lm_head, prompt, calls, max_new_tokens, sampling=None, uniforms=None, stop_ids=()):
     """calls[c] = (ids (n_c,), logits (n_c, V), features (n_c, nf·H)) of target call c;
-    sampling = None (greedy) or {temperature, top_p, top_k} with uniforms {u_first, u_walk,
-    u_accept, u_bonus}. The drafter's context is recomputed every cycle (§5: same numbers as
-    the cache). The replay stops where it would send the target ids the recording has no
-    answer for. -> (ids sent per call, tokens, {record: per-cycle list})."""
+    sampling = None (greedy) or {temperature, top_p, top_k} with uniforms {u_first, u_walk[c, k−1],
+    u_accept[c, m], u_bonus[c]} (c the cycle). The drafter's context is recomputed every cycle
+    (§5: same numbers as the cache). The replay stops where it would send the target ids the
+    recording has no answer for. -> (ids sent per call, tokens, {record: per-cycle list})."""
     B, P = cfg["B"], len(prompt)
     sent, (_, logits, features) = [np.asarray(prompt)], calls[0]
     if sampling:
         law = sampling_law(logits[-1], sampling["temperature"], sampling["top_p"], sampling["top_k"])
-        tokens = [inverse_cdf(law, uniforms["u_first"])]
+        tokens = [inverse_cdf(law, uniforms["u_first"])]          # the filtered p, as every draw from the target
     else:
         tokens = [int(logits[-1].argmax())]
     context, held, target_len, rec = features, 0, P, {}
     keep = lambda **values: [rec.setdefault(k, []).append(v) for k, v in values.items()]
-    while len(tokens) < max_new_tokens:
+    done = tokens[0] in stop_ids or max_new_tokens == 1
+    while not done:
         c = len(sent) - 1
         a = P + len(tokens) - 1                          # the anchor's position; the context is 0..a−1
         block = np.array([tokens[-1]] + [cfg["mask_id"]] * (B - 1))
@@ -282,7 +286,7 @@ def replay(W, cfg, embed, lm_head, prompt, calls, max_new_tokens, sampling=None,
         h = draft_block(W, cfg, embed[block], positions, project_context(W, cfg, context[:a]), np.arange(a))[0][1:]
         U = h @ lm_head.T
         path, walked = propose(W, cfg, h, U, block[0], sampling, uniforms["u_walk"][c] if sampling else None)
-        n = min(B - 1, max_new_tokens - len(tokens) - 1)
+        n = min(B - 1, max_new_tokens - len(tokens) - 1)   # n = 0: the pass above still ran, its drafts are all cut
         draft = path[:n]
         keep(anchor_pos=a, block_pos=positions, ctx_new_pos=np.arange(held, a), draft_cache_lengths=a, unary=U,
              drafts=np.concatenate([draft, -np.ones(B - 1 - n, int)]), **walked)
@@ -297,8 +301,14 @@ def replay(W, cfg, embed, lm_head, prompt, calls, max_new_tokens, sampling=None,
         n_acc, bonus, checked = verify(draft, logits, sampling, **extra)
         target_len -= n - n_acc                          # roll back the rejected drafts
         context = np.concatenate([context, features[:n_acc + 1]])   # the anchor and the accepted drafts
-        keep(n_accepted=n_acc, bonus=bonus, target_cache_lengths=target_len, **checked)
-        tokens += [int(t) for t in draft[:n_acc]] + [bonus]
+        before = len(tokens)
+        for t in [int(t) for t in draft[:n_acc]] + [bonus]:     # commit one at a time: stop right after a stop token
+            tokens.append(t)
+            if t in stop_ids or len(tokens) == max_new_tokens:
+                done = True
+                break
+        keep(n_accepted=n_acc, bonus=bonus, target_cache_lengths=target_len, acceptance_lengths=len(tokens) - before,
+             **checked)
     return sent, np.array(tokens), rec
 
 

@@ -24,9 +24,11 @@ BF16_TOL = 3e-2   # the bf16 case against a float64 computation on bf16-rounded 
 # settings) rather than computes; the gradients are not ported
 INPUTS = ("rules.num_target_layers", "rules.block_sizes", "anchors.loss_mask", "anchors.max_anchors",
           "anchors.draw_order", "batch.", "fwd.ctx_features", "fwd.ctx_pos", "walk.temperature", "walk.uniforms",
+          "laws.logits", "laws.temperature", "laws.top_p", "laws.top_k", "laws.residual_p", "laws.residual_q",
           "trace.prompt", "trace.max_new_tokens", "trace.logits", "trace.ctx_features", "sampled.logits",
           "sampled.ctx_features", "sampled_v1.logits", "sampled_v1.ctx_features", "sampled.temperature",
-          "sampled.top_p", "sampled.top_k", "sampled.max_new_tokens", "grad.")
+          "sampled.top_p", "sampled.top_k", "sampled.max_new_tokens", "stop.stop_token_ids", "stop.max_new_tokens",
+          "stop.logits", "stop.ctx_features", "short.max_new_tokens", "short.logits", "short.ctx_features", "grad.")
 UNIFORMS = ("u_first", "u_walk", "u_accept", "u_bonus")
 
 
@@ -133,18 +135,19 @@ def calls_of(g, prefix):
 def run_trace(out, g, prefix, cfg, W, embed, lm_head, max_new_tokens, sampling=None):
     """The port's §5 replay of one recorded trace, its records put under prefix."""
     uniforms = {k: g[prefix + k].astype(port.DTYPE) for k in UNIFORMS} if sampling else None
+    stop_ids = set(g[prefix + "stop_token_ids"].tolist()) if prefix + "stop_token_ids" in g else ()
     sent, tokens, rec = port.replay(W, cfg, embed, lm_head, g["trace.prompt"], calls_of(g, prefix), max_new_tokens,
-                                    sampling, uniforms)
+                                    sampling, uniforms, stop_ids)
     out[prefix + "call_lengths"] = [len(s) for s in sent]
     out[prefix + "input_ids"] = np.concatenate(sent)
     for key, values in rec.items():
         out[prefix + key] = np.concatenate(values) if key in ("ctx_new_pos", "p") else np.stack(values)
-    verified = ("n_accepted", "bonus", "target_cache_lengths") + (("p", "accept_probability", "bonus_law") if sampling else ())
+    verified = ("n_accepted", "bonus", "target_cache_lengths", "acceptance_lengths") + (
+        ("p", "accept_probability", "bonus_law") if sampling else ())
     for key in verified:  # none if the replay stopped in its first cycle
         out.setdefault(prefix + key, np.zeros((0, *g[prefix + key].shape[1:]), g[prefix + key].dtype))
     out[prefix + "ctx_new_lengths"] = [len(x) for x in rec["ctx_new_pos"]]
     out[prefix + "tokens"] = tokens
-    out[prefix + "acceptance_lengths"] = out[prefix + "n_accepted"] + 1
 
 
 def port_everything(g):
@@ -180,6 +183,11 @@ def port_everything(g):
                 "walk.greedy_path": [w[0] for w in greedy], "walk.greedy_scores": [w[2] for w in greedy],
                 "walk.sampled_path": [w[0] for w in sampled], "walk.sampled_q": [w[3] for w in sampled],
                 "walk.sampled_scores": [w[2] for w in sampled]})
+    settings = zip(g["laws.logits"].astype(port.DTYPE), g["laws.temperature"].tolist(), g["laws.top_p"].tolist(),
+                   g["laws.top_k"].tolist())
+    out["laws.p"] = [port.sampling_law(z, T, top_p, top_k) for z, T, top_p, top_k in settings]
+    out["laws.residual_law"] = [port.residual_law(p, q) for p, q in zip(g["laws.residual_p"].astype(port.DTYPE),
+                                                                        g["laws.residual_q"].astype(port.DTYPE))]
 
     slots = port.losses(W, cfg, lm_head, hidden, ids, g["batch.loss_mask"], anchors, g["batch.anchor_valid"],
                         g["batch.target_logits"].astype(port.DTYPE))
@@ -218,6 +226,8 @@ def port_everything(g):
     cfg1, W1 = load("drafter_v1")
     for prefix, (c, w) in (("sampled.", (cfg, W)), ("sampled_v1.", (cfg1, W1))):
         run_trace(out, g, prefix, c, w, embed, lm_head, int(g["sampled.max_new_tokens"]), sampling)
+    run_trace(out, g, "stop.", cfg, W, embed, lm_head, int(g["stop.max_new_tokens"]))
+    run_trace(out, g, "short.", cfg, W, embed, lm_head, int(g["short.max_new_tokens"]), sampling)
 
     hidden1 = port.training_forward(W1, cfg1, embed, ids, attn, anchors, features)[2]
     out["v1.hidden"], out["v1.greedy_path"] = hidden1, (hidden1.reshape(M, B, -1)[:, 1:] @ lm_head.T).argmax(-1)
@@ -282,6 +292,38 @@ def test_sampled_traces_exercise_verification(committed):
         assert ((p > 0).sum(-1) == 1).any() and ((p > 0).sum(-1) > 1).any(), (
             f"{prefix}: the top-k / top-p filters should leave one token somewhere and several elsewhere")
     assert g["sampled.q"].shape[-1] == g["walk.candidates"].shape[-1], "sampled. should use the selector walk's q"
+
+
+def test_decode_edge_cases_exercise_what_they_claim(committed):
+    """The cases a port can get wrong unnoticed by the main traces: a stop token in the middle
+    of a cycle, a cycle with n = 0, a first token whose uniform tells the filtered p from the
+    plain softmax, the two readings of top-p after top-k, a tie across top-p and at top-k,
+    and the residual's fallback."""
+    g = committed
+    tokens, stop = g["stop.tokens"].tolist(), set(g["stop.stop_token_ids"].tolist())
+    assert tokens[-1] in stop and not stop & set(tokens[:-1]), f"stop.tokens {tokens} should end on its first stop token"
+    assert g["stop.acceptance_lengths"][-1] < g["stop.n_accepted"][-1] + 1, (
+        f"stop.: the last cycle should stop inside its accepted drafts: AL {g['stop.acceptance_lengths'][-1]}, "
+        f"n_accepted {g['stop.n_accepted'][-1]}")
+    drafted = (g["short.drafts"] >= 0).sum(1)
+    assert drafted[-1] == 0 and (drafted[:-1] > 0).all(), f"short.: only the last cycle should draft n = 0: {drafted}"
+    T, top_p, top_k = float(g["sampled.temperature"]), float(g["sampled.top_p"]), int(g["sampled.top_k"])
+    z, u = g["short.logits"][len(g["trace.prompt"]) - 1].astype(np.float64), float(g["short.u_first"])
+    firsts = port.inverse_cdf(port.sampling_law(z, T, top_p, top_k), u), port.inverse_cdf(port.softmax(z / T), u)
+    assert firsts[0] != firsts[1], f"short.u_first draws {firsts[0]} from either law: it tells them apart nowhere"
+
+    logits, p = g["laws.logits"].astype(np.float64), g["laws.p"]
+    law = port.softmax(logits[0] / g["laws.temperature"][0])
+    law[law < np.sort(law)[-int(g["laws.top_k"][0])]] = 0          # top-k, then top-p on the unrenormalised law
+    order = np.argsort(-law, kind="stable")
+    law[order[np.cumsum(law[order]) - law[order] >= g["laws.top_p"][0]]] = 0
+    assert (law > 0).sum() != (p[0] > 0).sum(), "laws row 0 does not tell the two readings of top-p apart"
+    tied = np.flatnonzero(logits[1] == np.sort(logits[1])[-2])
+    assert len(tied) == 2 and p[1][tied[0]] > 0 and p[1][tied[1]] == 0, (
+        f"laws row 1: an exact tie {tied.tolist()} should straddle the top-p threshold: p there {p[1][tied].tolist()}")
+    assert (p[2] > 0).sum() > g["laws.top_k"][2], "laws row 2: the tie at the k-th logit should keep more than k"
+    assert not np.maximum(g["laws.residual_p"][0] - g["laws.residual_q"][0], 0).any(), (
+        "laws.residual row 0 should have max(0, p − q) all zero (the fallback)")
 
 
 def test_batch_exercises_the_mask_and_anchor_rules(committed):
