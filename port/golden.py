@@ -57,6 +57,8 @@ GREEDY_NEW_TOKENS = 30
 SAMPLING = dict(temperature=1.3, top_p=0.9, top_k=3)
 SERVED = (SAMPLING["temperature"], SAMPLING["top_p"], SAMPLING["top_k"])  # soft_labels_at and accept_at's setting
 SAMPLED_NEW_TOKENS = 24
+STOP_TOKEN_IDS = [29]          # the stop trace: 29 is an accepted draft in the middle of a greedy cycle
+SHORT_NEW_TOKENS, SHORT_SEED = 9, SEED + 15   # the short sampled trace: its last cycle has one token left (n = 0)
 GRADS = ("fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.input_layernorm.weight",
          "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
          "layers.0.self_attn.q_norm.weight", "layers.0.attention_conv.kernel_projection.weight",
@@ -300,6 +302,43 @@ def min_gap(x, k):
     return float((top[..., :-1] - top[..., 1:]).min())
 
 
+def separating_uniform(law, other):
+    """A u whose inverse-CDF draws from the two laws (V,) differ: the middle of the widest
+    stretch of [0, 1) where they do, rounded to fp32 (the recorded value is then exact).
+    -> (u, its distance to the nearest cumulative sum of either law)."""
+    cuts = torch.cat([torch.zeros(1, dtype=torch.float64), law.double().cumsum(-1), other.double().cumsum(-1)])
+    cuts = cuts[cuts < 1].sort().values
+    ends = torch.cat([cuts[1:], torch.ones(1, dtype=torch.float64)])
+    mids = (cuts + ends) / 2
+    differ = inverse_cdf(law.expand(len(mids), -1), mids)[0] != inverse_cdf(other.expand(len(mids), -1), mids)[0]
+    width = torch.where(differ, ends - cuts, torch.zeros_like(ends))
+    u = mids[width.argmax()].float().double()
+    return u, float(torch.cat([law.double().cumsum(-1), other.double().cumsum(-1)]).sub(u).abs().min())
+
+
+def law_cases():
+    """Unit cases of §4's filtered law, each one where a port can read the rule another way:
+    -> logits (3, V), temperature (3,), top_p (3,), top_k (3,), and how far each top-p test
+    is from its threshold. Row 0: top-k 3 then top-p 0.5 on a law (0.4, 0.2, 0.1 on ids 7,
+    30, 2; 0.3 spread over the rest): top-p measured on the law renormalised over the top-k
+    survivors keeps id 7 alone; measured on the softmax it would keep 7 and 30. Row 1: top-p
+    0.5 with an exact tie across the threshold (0.3 on id 40, 0.25 on ids 12 and 51): id 12
+    is kept, 51 dropped (lower id first). Row 2: top-k 2 at T = 2 with three ids tied for
+    second place (8, 20, 33): all three stay."""
+    rest = lambda mass, n: torch.full((V,), float(torch.tensor(mass / n).log()))
+    logits = torch.stack([rest(0.3, V - 3), rest(0.2, V - 3), torch.linspace(-1, 1, V).roll(17)])
+    logits[0, [7, 30, 2]] = torch.tensor([0.4, 0.2, 0.1]).log()
+    logits[1, [40, 12, 51]] = torch.tensor([0.3, 0.25, 0.25]).log()
+    logits[2, 3], logits[2, [8, 20, 33]] = 3.0, 2.0
+    temperature, top_p, top_k = torch.tensor([1.0, 1.0, 2.0]), torch.tensor([0.5, 0.5, 1.0]), torch.tensor([3, 0, 2])
+    margin = float("inf")
+    for z, t, tp, tk in zip(logits, temperature.tolist(), top_p.tolist(), top_k.tolist()):
+        if tp < 1:
+            survivors = dflash2.sampling_probs(z.double(), t, 1.0, tk).sort(descending=True).values
+            margin = min(margin, float((survivors.cumsum(-1) - survivors - tp).abs().min()))
+    return logits, temperature, top_p, top_k, margin
+
+
 def sampled_walk(selector, h, unary, anchor, cand, uniforms, temperature):
     """The §3 walk at T > 0 with its sampling made explicit: pick = inverse_cdf(q, u), u one
     recorded uniform per slot. h (M, n, H), unary (M, n, V), anchor (M,), cand (M, n, K),
@@ -376,16 +415,16 @@ def put_drafts(put, prefix, cycles, B):
         "of them, then −1")
 
 
-def put_verified(put, prefix, cycles, tokens, als):
+def put_verified(put, prefix, cycles, tokens, als, al_meaning=""):
     put(prefix + "n_accepted", torch.tensor([c["n_acc"] for c in cycles]), "(cycles,) drafts accepted")
     put(prefix + "bonus", torch.tensor([c["bonus"] for c in cycles]), "(cycles,) the token the target adds after them")
     put(prefix + "target_cache_lengths", torch.tensor([c["target_cache"] for c in cycles]),
         "(cycles,) the target KV cache's length after the cycle's rollback (= a + n_accepted + 1)")
     put(prefix + "tokens", tokens, "(n,) committed tokens")
-    put(prefix + "acceptance_lengths", als, "(cycles,) tokens committed per cycle, bonus included")
+    put(prefix + "acceptance_lengths", als, "(cycles,) tokens committed per cycle, bonus included" + al_meaning)
 
 
-def greedy_trace(drafter, target, prompt, max_new_tokens):
+def greedy_trace(drafter, target, prompt, max_new_tokens, stop_token_ids=None):
     """spec_generate at T = 0, every target call and drafter pass recorded by hooks.
     -> (TargetCalls, per-cycle dicts, tokens, stats, smallest tie gap)."""
     c, cycles, gaps = drafter.config, [], [float("inf")]
@@ -408,7 +447,8 @@ def greedy_trace(drafter, target, prompt, max_new_tokens):
 
     drafter.forward, drafter.propose = recorded_forward, recorded_propose
     try:
-        tokens, stats = dflash2.spec_generate(drafter, target, prompt, max_new_tokens, temperature=0.0)
+        tokens, stats = dflash2.spec_generate(drafter, target, prompt, max_new_tokens, temperature=0.0,
+                                              stop_token_ids=stop_token_ids)
     finally:
         calls.remove()
         del drafter.forward, drafter.propose
@@ -424,9 +464,9 @@ def greedy_trace(drafter, target, prompt, max_new_tokens):
 
 
 @torch.no_grad()
-def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, top_k, seed):
+def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, top_k, seed, u_first=None):
     """spec_generate's loop at T > 0 with every draw taken from recorded uniforms: the first
-    token ~ p by inverse CDF of u_first; per cycle, slot k's draft from u_walk[k−1] (the walk's
+    token ~ p by inverse CDF of u_first (drawn first, unless given); per cycle, slot k's draft from u_walk[k−1] (the walk's
     q = softmax(E/T) over K, or, selector off, q = sampling_probs(U, T, top_p, top_k) over V);
     draft m is kept iff u_accept[m] < acceptance_probability(p[m], q[m], d); the bonus is drawn
     from residual_distribution(p[m], q[m]) at the first rejection, or from p[n], by u_bonus.
@@ -440,7 +480,8 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
     cache, draft_cache = DynamicCache(config=target.config), dflash2.DraftCache(c.num_layers)
     try:
         out = target(prompt, cache=cache, use_cache=True, output_hidden_states=True)
-        u_first = torch.rand((), generator=g, dtype=torch.float64)
+        if u_first is None:
+            u_first = torch.rand((), generator=g, dtype=torch.float64)
         first, margin = inverse_cdf(dflash2.sampling_probs(out.logits[0, -1].double(), temperature, top_p, top_k), u_first)
         new_ctx = dflash2.context_features(out.hidden_states, c.target_layer_ids)
         tokens.append(int(first))
@@ -495,9 +536,9 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
     return calls, cycles, torch.tensor(tokens), torch.tensor(als), u_first, margin
 
 
-def put_sampled(put, prefix, calls, cycles, tokens, als, u_first, B, K):
+def put_sampled(put, prefix, calls, cycles, tokens, als, u_first, B, K, u_first_meaning=""):
     stack = lambda key: torch.stack([c[key] for c in cycles])
-    put(prefix + "u_first", u_first.float(), "() uniform of the first token's draw from p (inverse CDF)")
+    put(prefix + "u_first", u_first.float(), "() uniform of the first token's draw from p (inverse CDF)" + u_first_meaning)
     put(prefix + "u_walk", stack("u_walk").float(),
         "(cycles, B−1) uniform of slot k's draft (inverse CDF of its q), all B−1 slots drawn")
     put_drafting(put, prefix, cycles)
@@ -632,6 +673,25 @@ def _compute(weights_from):
     put("walk.sampled_q", s_q, "(M, B−1, K) q = softmax(E / T) given the sampled predecessor")
     put("walk.sampled_scores", s_scores, "(M, B−1, K) edge scores along the sampled walk")
 
+    logits, temperature, top_p, top_k, margins["laws"] = law_cases()
+    laws = torch.stack([dflash2.sampling_probs(z.double(), t, tp, tk) for z, t, tp, tk in
+                        zip(logits, temperature.tolist(), top_p.tolist(), top_k.tolist())])
+    put("laws.logits", logits, "(3, V) logits of three unit cases of §4's filtered law: row 0 tells apart the two "
+        "readings of top-p after top-k, row 1 has an exact tie across the top-p threshold, row 2 a tie at top-k")
+    put("laws.temperature", temperature, "(3,) T of each case")
+    put("laws.top_p", top_p, "(3,) top_p of each case")
+    put("laws.top_k", top_k, "(3,) top_k of each case (0 = off)")
+    put("laws.p", laws.float(), "(3, V) softmax(z/T), top-k (ties at the k-th all stay), then top-p measured on the "
+        "law renormalised over the top-k survivors (ties in id order), renormalised: row 0 keeps id 7 alone, row 1 "
+        "keeps 12 and drops 51, row 2 keeps 3, 8, 20, 33")
+    residual_p, residual_q = torch.stack([laws[1], laws[0]]), torch.stack([laws[1], laws[2]])
+    put("laws.residual_p", residual_p.float(), "(2, V) p of two residual cases: row 0 the law q itself, row 1 laws.p[0]")
+    put("laws.residual_q", residual_q.float(), "(2, V) q of the residual cases: row 0 = p (max(0, p − q) is all 0), "
+        "row 1 laws.p[2]")
+    put("laws.residual_law", torch.stack([dflash2.residual_distribution(p, q) for p, q in
+                                          zip(residual_p.double(), residual_q.double())]).float(),
+        "(2, V) normalise(max(0, p − q)), or p where that is all 0 (row 0: the fallback, §4)")
+
     put_losses(put, drafter, target, batch, inp)
 
     prompt = torch.tensor([PROMPT])
@@ -651,6 +711,37 @@ def _compute(weights_from):
         out = sampled_trace(model, target, prompt, SAMPLED_NEW_TOKENS, seed=seed, **SAMPLING)
         margins[prefix + "trace"] = out[-1]
         put_sampled(put, prefix, *out[:-1], B, model.config.selector_top_k)
+
+    calls, cycles, tokens, stats, margins["stop_trace"] = greedy_trace(drafter, target, prompt, GREEDY_NEW_TOKENS,
+                                                                       STOP_TOKEN_IDS)
+    if int(tokens[-1]) not in STOP_TOKEN_IDS or stats.acceptance_lengths[-1] > cycles[-1]["n_acc"]:
+        raise RuntimeError(f"the stop trace should end on a stop token {STOP_TOKEN_IDS} among a cycle's accepted "
+                           f"drafts, not on {tokens.tolist()} with ALs {stats.acceptance_lengths}: pick another")
+    put("stop.stop_token_ids", torch.tensor(STOP_TOKEN_IDS), "(n,) stop tokens of the stop trace (the other traces "
+        "have none: the target has no eos)")
+    put("stop.max_new_tokens", torch.tensor(GREEDY_NEW_TOKENS), "() max_new_tokens of the stop trace")
+    put_drafting(put, "stop.", cycles)
+    put_drafts(put, "stop.", cycles, B)
+    calls.put(put, "stop.")
+    put_verified(put, "stop.", cycles, tokens, torch.tensor(stats.acceptance_lengths),
+                 "; the last cycle stops right after the stop token, an accepted draft, so it commits fewer than "
+                 "n_accepted + 1")
+
+    with torch.no_grad():
+        z = target(prompt).logits[0, -1].double()
+    u_first, margins["short_first"] = separating_uniform(
+        dflash2.sampling_probs(z, SAMPLING["temperature"], SAMPLING["top_p"], SAMPLING["top_k"]),
+        torch.softmax(z / SAMPLING["temperature"], -1))
+    out = sampled_trace(drafter, target, prompt, SHORT_NEW_TOKENS, seed=SHORT_SEED, u_first=u_first, **SAMPLING)
+    margins["short_trace"] = out[-1]
+    if len(out[1][-1]["draft"]) or len(out[1]) < 3:
+        raise RuntimeError(f"the short trace's last cycle should draft n = 0 tokens after at least two cycles: "
+                           f"ALs {out[3].tolist()} for {SHORT_NEW_TOKENS} tokens; pick SHORT_NEW_TOKENS anew")
+    put("short.max_new_tokens", torch.tensor(SHORT_NEW_TOKENS), "() max_new_tokens of the short sampled trace (the "
+        "DFlash2 drafter at sampled.*'s setting), whose last cycle has one token left: n = 0, the target call is "
+        "the anchor alone, no accept test, the bonus ~ p[0]")
+    put_sampled(put, "short.", *out[:-1], B, K, ", chosen where the filtered p and the plain softmax(z/T) draw "
+                "different tokens: the first token comes from the filtered p")
 
     variants = {"drafter": drafter, "drafter_v1": v1}
     with torch.no_grad():
