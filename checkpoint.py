@@ -1,10 +1,9 @@
 """
 What a run writes: the export that vLLM, SGLang and the z-lab `dflash` package load (§7:
-config.json + model.safetensors, the format behind DFlash2Drafter.save_pretrained /
-from_pretrained), and for train.py the resume state, the identity a resumed run must share
-with the run it continues, and the run's record (metrics.jsonl, curves.png). Everything is
-written under a temporary name and renamed into place. This file imports nothing from the
-repository: dflash2.py's two checkpoint methods call into it.
+config.json + model.safetensors, written by save_export and read by load_export), and for
+train.py the resume state, the identity a resumed run must share with the run it continues,
+and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary
+name and renamed into place. This file imports dflash2.py, never the other way round.
 """
 import dataclasses
 import hashlib
@@ -15,6 +14,8 @@ import tempfile
 from pathlib import Path
 
 import torch
+
+import dflash2
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -109,13 +110,13 @@ def servable(drafter):
         state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
         state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
         full.update(selector_top_k=min(16, c.vocab_size))
-    whole = type(drafter)(dataclasses.replace(c, **full))
+    whole = dflash2.DFlash2Drafter(dataclasses.replace(c, **full))
     whole.load_state_dict(state)
     return whole
 
 
 def save_export(drafter, path, dtype=torch.bfloat16):
-    """DFlash2Drafter.save_pretrained: servable(drafter) as config.json + model.safetensors, written
+    """servable(drafter) as the folder `path` with config.json + model.safetensors, written
     under a temporary name and renamed into place, world-readable (servers run as other users)."""
     from safetensors.torch import save_file
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
@@ -143,19 +144,20 @@ def save_export(drafter, path, dtype=torch.bfloat16):
         raise
 
 
-def load_export(cls, config_cls, path, dtype=torch.float32, **overrides):
-    """DFlash2Drafter.from_pretrained, which has checked the override names: read a DFlash2 or
-    DFlash (v1) export folder; no pickle on this path. A v1 export loads into a v1 drafter or, with overrides that switch the
-    convolution / selector on, into a DFlash2 drafter whose new parts keep their identity
-    init (warm start)."""
+def load_export(path, dtype=torch.float32, **overrides):
+    """The DFlash2Drafter of a DFlash2 or DFlash (v1) export folder; no pickle on this path.
+    overrides: DFlash2Config fields. A v1 export loads into a v1 drafter or, with overrides
+    that switch the convolution / selector on, into a DFlash2 drafter whose new parts keep
+    their identity init (warm start)."""
     from safetensors.torch import load_file
+    dflash2.known_fields(overrides)  # a misspelt override fails before any file is read
     cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     for f in (cfg_file, weights_file):
         if not os.path.isfile(f):
             raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
     with open(cfg_file) as f:
         raw = json.load(f)
-    drafter = cls(config_cls(**{**config_fields(raw, cfg_file), **overrides}))
+    drafter = dflash2.DFlash2Drafter(dflash2.DFlash2Config(**{**config_fields(raw, cfg_file), **overrides}))
     try:
         tensors = load_file(weights_file)
     except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
@@ -294,7 +296,7 @@ def plot_curves(out_dir):
 
 def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
     """The servable export, then the resume state; each written under a temp name and renamed."""
-    drafter.save_pretrained(os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
+    save_export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))

@@ -2,7 +2,8 @@
 DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the
 two DFlash2 additions — a grouped dynamic local convolution and a low-rank candidate
 selector — plus its training objective and lossless speculative decoding. The export
-format that vLLM, SGLang and the z-lab `dflash` package load is checkpoint.py's (§7).
+format that vLLM, SGLang and the z-lab `dflash` package load is in checkpoint.py (§7), which
+imports this file; this file imports nothing from the repository.
 
 References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
 Aug 2026); the z-lab `dflash` package (inference reference). ALGORITHM.md in this
@@ -292,7 +293,7 @@ def local_conv(x, delta, base, block_size):
     x (b, N·B, H) laid out block by block (or one block of at most B tokens);
     delta (b, N·B, Kc, H/G) computed at the output position; base (Kc, H).
     Training packs blocks back to back, so a tap that reaches across a block start would
-    read the previous block's tokens: those taps are zeroed, not just padded at T = 0."""
+    read the previous block's tokens: those taps are zeroed, not just padded at the row's start."""
     length, H = x.shape[1], x.shape[2]
     Kc, G = base.shape[0], H // delta.shape[-1]
     pos_in_block = torch.arange(length, device=x.device) % block_size
@@ -473,17 +474,6 @@ class DFlash2Drafter(nn.Module):
         path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
         return path, cand, q
 
-    # The Hugging Face convention, for the export format vLLM, SGLang and z-lab load (§7). The
-    # format's code is checkpoint.py's, which imports nothing from this repository: no circle.
-    def save_pretrained(self, path, dtype=torch.bfloat16):
-        import checkpoint
-        checkpoint.save_export(self, path, dtype)
-
-    @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, **overrides):
-        import checkpoint
-        return checkpoint.load_export(cls, DFlash2Config, path, dtype, **known_fields(overrides))
-
 
 # -----------------------------------------------------------------------------
 # block masking and anchors (§6)
@@ -514,7 +504,7 @@ def sample_anchors(loss_mask, max_anchors, generator=None):
 
 def block_layout(input_ids, anchors, block_size, mask_token_id):
     """Blocks [x[a_j], MASK x (B-1)] at positions a_j + 0..B-1, concatenated:
-    ids (b, N*B), positions (b, N*B)."""
+    ids (b, N·B), positions (b, N·B)."""
     b, N = anchors.shape
     ids = torch.full((b, N, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
     ids[:, :, 0] = input_ids.gather(1, anchors)
@@ -523,7 +513,7 @@ def block_layout(input_ids, anchors, block_size, mask_token_id):
 
 
 def block_attention_mask(anchors, attention_mask, block_size):
-    """Dense (b, 1, N*B, S + N*B) bool mask over keys [context ; blocks].
+    """Dense (b, 1, N·B, S + N·B) bool mask over keys [context ; blocks].
 
     A query of block j sees context key s iff s < a_j (strictly: at inference the anchor's
     own target state is not computed yet) and s is a real token; it sees every token of
@@ -532,9 +522,9 @@ def block_attention_mask(anchors, attention_mask, block_size):
     S = attention_mask.shape[1]
     s = torch.arange(S, device=anchors.device)
     ctx = (s[None, None, :] < anchors[:, :, None]) & attention_mask.bool()[:, None, :]   # (b, N, S)
-    ctx = ctx.repeat_interleave(block_size, dim=1)                                          # (b, N*B, S)
+    ctx = ctx.repeat_interleave(block_size, dim=1)                                          # (b, N·B, S)
     blk = torch.arange(N * block_size, device=anchors.device) // block_size
-    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)                                  # (b, N*B, N*B)
+    own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)                                  # (b, N·B, N·B)
     return torch.cat([ctx, own], dim=-1)[:, None]
 
 
@@ -559,8 +549,40 @@ def head_logits(lm_head, x):
     return y.to(torch.promote_types(y.dtype, torch.float32))
 
 
-def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selector=False, selector_labels="argmax",
-                soft_labels_at=None):
+@dataclass(frozen=True)
+class LossConfig:
+    """The §6 loss's settings (train.py's loss flags), checked once, when made."""
+    loss_type: str = "kl"                # unary term: "kl" to the target's softmax, or "ce" on its argmax
+    gamma: float | None = None           # slot weights w_k = exp(-(k-1)/γ); None: default_gamma(B)
+    alpha: float = 1.0                   # L = L_unary + α·L_sel
+    selector_labels: str = "argmax"      # π: "argmax" (one-hot on the target's token) or "soft" (its law on C)
+    soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
+    accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
+    chunk_size: int | None = None        # slots whose (slots, V) logits live at once, recomputed in backward
+
+    def __post_init__(self):
+        rules = [
+            (self.loss_type in ("kl", "ce"), f"loss_type ({self.loss_type!r}) must be 'kl' or 'ce'"),
+            (self.selector_labels in ("argmax", "soft"),
+             f"selector_labels ({self.selector_labels!r}) must be 'argmax' or 'soft'"),
+            (self.soft_labels_at is None or self.selector_labels == "soft",
+             f"soft_labels_at ({self.soft_labels_at}) needs selector_labels='soft'"),
+            (self.gamma is None or self.gamma > 0,
+             f"gamma ({self.gamma}) must be > 0 (or None for the block size's default)"),
+            (self.alpha >= 0, f"alpha ({self.alpha}) must be >= 0"),
+            (self.chunk_size is None or self.chunk_size >= 1,
+             f"chunk_size ({self.chunk_size}) must be >= 1 (or None for every slot at once)")]
+        for name in ("soft_labels_at", "accept_at"):
+            t, top_p, top_k = getattr(self, name) or (1.0, 1.0, 0)
+            rules.append((0 < t < math.inf and 0 < top_p <= 1 and isinstance(top_k, int) and top_k >= 0,
+                          f"{name} ({getattr(self, name)}) must be (temperature > 0, top_p in (0, 1], integer "
+                          "top_k >= 0)"))
+        for ok, sentence in rules:
+            if not ok:
+                raise ValueError(sentence)
+
+
+def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None):
     """The §6 terms of each slot, for slots laid out any way (...):
 
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
@@ -583,69 +605,51 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", detach_selec
         term = -logq.gather(-1, label[..., None]).squeeze(-1)
     if selector is None:
         return term, None, None
-    h, unary = (h.detach(), unary.detach()) if detach_selector else (h, unary)
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
     pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
     log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 
-def weighted_sums(selector, lm_head, loss_options, h, ref_h, prev, w):
+def weighted_sums(selector, lm_head, cfg, h, ref_h, prev, w):
     """Σ w·unary term, and with a selector Σ w·selector term and Σ w·(selector weight), for
-    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,);
-    loss_options: slot_losses' keywords. Only (n, V) logits live here, so n bounds the
-    loss's memory."""
+    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,).
+    Only (n, V) logits live here, so n bounds the loss's memory."""
     term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
-                                  **loss_options)
+                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
 
 
+def block_slots(anchors, anchor_valid, loss_mask, block_size):
+    """Slot k = 1..B-1 of block j predicts position t = a_j + k. It is counted iff its anchor
+    is real, t < S and loss_mask[t] = 1. Its label, its reference logits and its selector
+    predecessor are all read at t - 1 (the target predicts t there; slot 1's is the anchor).
+    -> counted (b, N, B-1) bool, src (b, N, B-1) long: t - 1, with t clamped into the row."""
+    S = loss_mask.shape[1]
+    t = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)   # (b, N, B-1)
+    t_in = t.clamp(max=S - 1)
+    counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.flatten(1)).view_as(t)
+    return counted, t_in - 1
+
+
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
-                 loss_type="kl", gamma=None, alpha=1.0, detach_selector=False, chunk_size=None, with_metrics=True,
-                 forward=None, weight_sums=None, selector_labels="argmax", soft_labels_at=None, accept_at=None):
+                 cfg=LossConfig(), with_metrics=True, forward=None, weight_sums=None):
     """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
 
-    Slot k of block j (position t = a_j + k) is counted iff its anchor is real, t < S and
-    loss_mask[t] = 1. Its target distribution is the target's logits at t - 1, computed as
-    lm_head(hidden_states[-1][t - 1]) (HF's last hidden state is after the final norm) for
-    counted slots only. L_unary = Σ w·term / Σ w, w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m,
-    m = the labels' mass on the top-K: with argmax labels 1[y ∈ C], so slots the selector
-    could never get right are left out; with soft labels Σ_{c∈C} p(c), p the target's law
-    at the sampling setting soft_labels_at = (T, top_p, top_k), or softmax if None. The
-    terms are slot_losses'. Predecessor: the data token at t - 1 (slot 1's is the anchor).
-
-    chunk_size: None = all counted slots at once, with (slots, V) logits; an int = that many
-    slots at a time, recomputed in backward, so memory is (chunk_size, V) whatever N is.
-    with_metrics: the §6 metrics and every stat as a float (host syncs), the acceptance ones
-    at the sampling setting accept_at (None: T = 1, no filter); False on training steps,
-    where stats hold only the loss terms, as detached tensors.
+    Over the counted slots (block_slots), with slot_losses' terms: L_unary = Σ w·term / Σ w,
+    w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m, m the labels' mass on the top-K (argmax
+    labels: 1[y ∈ C], so slots the selector could never get right are left out). The target's
+    logits are lm_head(hidden_states[-1]) (HF's last hidden state is after the final norm),
+    for counted slots only. with_metrics: also the §6 metrics, every stat a float (host
+    syncs); training steps pass False and get the loss terms as detached tensors.
     Data parallel: `forward` is the wrapper (DistributedDataParallel) that runs the drafter,
-    and `weight_sums` maps this batch's (Σw unary, Σw selector) to the ones to divide by —
-    their mean over ranks, so that the averaged gradients are those of the global batch."""
-    if loss_type not in ("kl", "ce"):
-        raise ValueError(f"loss_type ({loss_type!r}) must be 'kl' or 'ce'")
-    if selector_labels not in ("argmax", "soft"):
-        raise ValueError(f"selector_labels ({selector_labels!r}) must be 'argmax' or 'soft'")
-    if soft_labels_at is not None and selector_labels != "soft":
-        raise ValueError(f"soft_labels_at ({soft_labels_at}) needs selector_labels='soft'")
-    for name, setting in (("soft_labels_at", soft_labels_at), ("accept_at", accept_at)):
-        t, top_p, top_k = setting or (1.0, 1.0, 0)
-        if not (0 < t < math.inf and 0 < top_p <= 1 and isinstance(top_k, int) and top_k >= 0):
-            raise ValueError(f"{name} ({setting}) must be (temperature > 0, top_p in (0, 1], integer top_k >= 0)")
-    if gamma is not None and not gamma > 0:
-        raise ValueError(f"gamma ({gamma}) must be > 0 (or None for the block size's default)")
-    if not alpha >= 0:
-        raise ValueError(f"alpha ({alpha}) must be >= 0")
-    if chunk_size is not None and chunk_size < 1:
-        raise ValueError(f"chunk_size ({chunk_size}) must be >= 1 (or None for every slot at once)")
+    `weight_sums` maps this batch's (Σw unary, Σw selector) to their mean over ranks: the
+    divisors that make the averaged gradients those of the global batch."""
     c = drafter.config
-    B, (b, S) = c.block_size, input_ids.shape
-    N = anchors.shape[1]
-    gamma = default_gamma(B) if gamma is None else gamma
+    B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
     embed, lm_head = check_target(c, target)
-
     dtype = drafter.fc.weight.dtype
     ctx = context_features(hidden_states, c.target_layer_ids).to(dtype)
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
@@ -653,38 +657,33 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
     h = (forward or drafter)(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b,N,B-1,H)
 
-    t = anchors[:, :, None] + torch.arange(1, B, device=anchors.device)           # (b, N, B-1)
-    t_in = t.clamp(max=S - 1)
-    counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.view(b, -1)).view_as(t)
+    counted, src = block_slots(anchors, anchor_valid, loss_mask, B)
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
-    prev = input_ids[rows, t_in - 1]                   # (b, N, B-1) data token at t-1 (slot 1: the anchor)
-    ref_h = hidden_states[-1][rows, t_in - 1]          # (b, N, B-1, H) the target's final hidden state at t-1
+    prev, ref_h = input_ids[rows, src], hidden_states[-1][rows, src]     # (b, N, B-1), (b, N, B-1, H)
+    gamma = default_gamma(B) if cfg.gamma is None else cfg.gamma
     w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=torch.float) / gamma) * counted
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head,
-                             dict(loss_type=loss_type, detach_selector=detach_selector, selector_labels=selector_labels,
-                                  soft_labels_at=soft_labels_at))
-    n = chunk_size or max(1, len(idx))
-    parts = []
+    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, cfg)
+    n, parts = cfg.chunk_size or max(1, len(idx)), []
     for i in range(0, max(1, len(idx)), n):
         chunk = [x[i:i + n] for x in slots]
-        parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if chunk_size
+        parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if cfg.chunk_size
                      else sums(*chunk))
     totals = [sum(p) for p in zip(*parts)]
-    w_unary = w.sum()
-    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w_unary, totals[2] if c.selector_top_k else w_unary)
+    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w.sum(), totals[2] if c.selector_top_k else w.sum())
     loss = unary_loss = totals[0] / w_unary.clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
     if c.selector_top_k:
         selector_loss = totals[1] / w_selector.clamp(min=1e-9)
-        loss = loss + alpha * selector_loss
+        loss = loss + cfg.alpha * selector_loss
         stats["selector_loss"] = selector_loss.detach()
     stats["loss"] = loss.detach()
     if with_metrics:
         with torch.no_grad():
-            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size, accept_at or (1.0, 1.0, 0)))
+            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, cfg.chunk_size,
+                                  cfg.accept_at or (1.0, 1.0, 0)))
         stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
     return loss, stats
 
@@ -825,7 +824,8 @@ def _sample(logits, temperature, top_p, top_k, generator):
     return int(torch.multinomial(sampling_probs(logits, temperature, top_p, top_k), 1, generator=generator))
 
 
-def _now(device):
+def device_time(device):
+    """time.perf_counter() once the device's queued work is done: the clock of GenerationStats and the bench."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
@@ -849,12 +849,12 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
     stats, stop_ids, tokens = GenerationStats(), set(stop_token_ids or ()), []
     cache = DynamicCache(config=target.config)
     logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
-    start = _now(input_ids.device)
+    start = device_time(input_ids.device)
     stats.target_forwards = 1
     while not _emit(tokens, [_sample(logits, temperature, top_p, top_k, generator)], stop_ids, max_new_tokens):
         logits = target(torch.tensor([[tokens[-1]]], device=input_ids.device), cache=cache, use_cache=True).logits[0, -1]
         stats.target_forwards += 1
-    stats.decode_seconds, stats.new_tokens = _now(input_ids.device) - start, len(tokens)
+    stats.decode_seconds, stats.new_tokens = device_time(input_ids.device) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats
 
 
@@ -875,7 +875,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     new_ctx = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
-    start, stats.target_forwards = _now(dev), 1
+    start, stats.target_forwards = device_time(dev), 1
     done = _emit(tokens, [_sample(out.logits[0, -1], temperature, top_p, top_k, generator)], stop_ids, max_new_tokens)
     while not done:
         # the anchor is the last emitted token; the target has not seen it yet
@@ -907,5 +907,5 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
         stats.acceptance_lengths.append(committed)
         for k in range(min(n_acc, committed)):
             stats.accepted_per_slot[k] += 1
-    stats.decode_seconds, stats.new_tokens = _now(dev) - start, len(tokens)
+    stats.decode_seconds, stats.new_tokens = device_time(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import (DFlash2Config, DFlash2Drafter, check_target, check_target_shape, dflash2_loss, sample_anchors,
-                     spec_generate)
+from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, check_target_shape, dflash2_loss,
+                     sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan, read_target_config
-from checkpoint import (check_out_dir, check_resume, plot_curves, record, resume, run_identity, save_checkpoint,
-                        serving_commands, weights_fingerprint)
+from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
+                        save_checkpoint, save_export, serving_commands, weights_fingerprint)
 from data import choose_mask_token, collate, load_rows, load_target, load_tokenizer, parse_template_kwargs, regenerate
 from tiny_world import tiny_world
 
@@ -103,7 +103,6 @@ def parse_args(argv=None):
     g.add_argument("--gamma", type=at_least(0, float, strict=True),
                    help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
     g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
-    g.add_argument("--detach-selector", action="store_true", help="selector loss does not train the backbone")
     g.add_argument("--selector-labels", default="argmax", choices=["argmax", "soft"], help="selector loss against "
                    "the target's argmax (the write-up's) or its whole distribution over the candidates (§6)")
     g.add_argument("--soft-labels-at", type=sampling_setting, metavar="T[,TOP_P[,TOP_K]]",
@@ -217,19 +216,17 @@ def mean_over_ranks(*weights):
 def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None, accept_at=None):
     """One target pass (no grad; its logits only where the loss needs them, so never
     (b, S, V) at once) + anchors + the DFlash2 loss. model: the DistributedDataParallel
-    wrapper that runs the drafter's forward, if any; accept_at: dflash2_loss's."""
+    wrapper that runs the drafter's forward, if any; accept_at: LossConfig's."""
     ids, attn, loss_mask = batch
     with torch.no_grad():
         out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
     anchors, valid = row_anchors(loss_mask, args.max_anchors, seeds)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
         return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
-                            loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
-                            detach_selector=args.detach_selector, selector_labels=args.selector_labels,
-                            soft_labels_at=args.soft_labels_at,
-                            chunk_size=args.loss_chunk or None,
-                            with_metrics=with_metrics, forward=model, accept_at=accept_at,
-                            weight_sums=mean_over_ranks if model is not None else None)
+                            LossConfig(loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
+                                       selector_labels=args.selector_labels, soft_labels_at=args.soft_labels_at,
+                                       accept_at=accept_at, chunk_size=args.loss_chunk or None),
+                            with_metrics, forward=model, weight_sums=mean_over_ranks if model is not None else None)
 
 
 @torch.no_grad()
@@ -304,9 +301,9 @@ def build_drafter(args, tokenizer, target_config):
     parts = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
     if args.init_from:
-        drafter = DFlash2Drafter.from_pretrained(args.init_from)
+        drafter = load_export(args.init_from)
         if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
-            drafter = DFlash2Drafter.from_pretrained(args.init_from, **parts)
+            drafter = load_export(args.init_from, **parts)
         check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
                            target_config.vocab_size)
         return drafter
@@ -320,7 +317,7 @@ def dry_run(drafter, args, log):
     """--dry-run: the untrained export of this target and drafter shape, to check that a serving
     engine loads it before any training; no data and no target weights are read."""
     path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
-    drafter.save_pretrained(path, getattr(torch, args.export_dtype))
+    save_export(drafter, path, getattr(torch, args.export_dtype))
     log(f"untrained export (B = {drafter.config.block_size}) in {path}; serve it with one of:")
     for command in serving_commands(args.target, path, drafter.config.block_size):
         log(command)

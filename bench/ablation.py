@@ -31,7 +31,8 @@ import time
 
 import torch
 
-import dflash2 as D
+import checkpoint
+import dflash2
 from bench.common import mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
@@ -105,7 +106,8 @@ def without_selector(drafter):
     without one, loaded with every tensor but the selector's. It proposes from the unary
     logits, and its metrics are a selector-less drafter's."""
     weight = drafter.fc.weight
-    unary = D.DFlash2Drafter(dataclasses.replace(drafter.config, selector_top_k=0)).to(weight.device, weight.dtype)
+    unary = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_top_k=0))
+    unary = unary.to(weight.device, weight.dtype)
     unary.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("candidate_selector.")})
     return unary.eval()
 
@@ -115,7 +117,8 @@ def spec_eval(drafter, target, prompts, args, setting, stop_id):
     gen = torch.Generator().manual_seed(0)
     out = {"al": [], "accepted": [], "reached": [], "target_forwards": 0, "new_tokens": 0, "seconds": 0.0}
     for p in prompts:
-        _, s = D.spec_generate(drafter, target, p, args.eval_tokens, *setting, stop_token_ids=[stop_id], generator=gen)
+        _, s = dflash2.spec_generate(drafter, target, p, args.eval_tokens, *setting, stop_token_ids=[stop_id],
+                                     generator=gen)
         out["al"].append(s.mean_acceptance_length)
         out["accepted"].append(s.accepted_per_slot)
         out["reached"].append([len(s.acceptance_lengths)] + s.accepted_per_slot[:-1])  # slots < k all accepted
@@ -132,7 +135,7 @@ def target_entropy(target, rows, setting):
     total, n = 0.0, 0
     for r in rows:
         ids, mask = r["input_ids"], r["loss_mask"].bool()
-        p = D.sampling_probs(target(input_ids=ids[None]).logits[0, :-1][mask[1:]], *setting)
+        p = dflash2.sampling_probs(target(input_ids=ids[None]).logits[0, :-1][mask[1:]], *setting)
         total, n = total - torch.special.xlogy(p, p).sum().item(), n + len(p)
     return total / n
 
@@ -142,15 +145,15 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
     """train.py's validation metrics averaged over blocks (not batches), on at least
     min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
     metrics at the sampling setting accept_at (None: T = 1, no filter)."""
-    import train as T
+    import train
     from data import collate
     total, n_blocks, rounds = {}, 0, 0
     while n_blocks < min_blocks:
         for i in range(0, len(val), targs.batch_size):
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
-            n = int(T.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
-            stats = T.loss_step(drafter, target, batch, targs, seeds, accept_at=accept_at)[1]
+            n = int(train.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
+            stats = train.loss_step(drafter, target, batch, targs, seeds, accept_at=accept_at)[1]
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
@@ -161,27 +164,27 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
 
 
 def ablation(args, settings):
-    import train as T  # the same training code path as `python train.py`
-    import tiny_world as W
+    import train  # the same training code path as `python train.py`
+    import tiny_world
     import transformers
-    defaults = T.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
+    defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
-        target_path, data_path = W.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
         base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16"]
     else:
-        target_path, data_path = W.tiny_world(args.cache_dir, defaults.tiny_pretrain_steps)
+        target_path, data_path = tiny_world.tiny_world(args.cache_dir, defaults.tiny_pretrain_steps)
         base = ["--steps", str(args.steps)] if args.steps else []
     val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
     base = ["--target", target_path, "--data", data_path, "--cache-dir", args.cache_dir, "--val-size", str(val_size),
             "--export-dtype", "float32", "--eval-prompts", "1", "--eval-new-tokens", "8", *base,
             *shlex.split(args.train_flags)]
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
-    targs = T.parse_args(base)
+    targs = train.parse_args(base)
     tokenizer = transformers.AutoTokenizer.from_pretrained(target_path)
     target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     val = validation_rows(targs, tokenizer)
     prompts = prompts_of(val, args.eval_prompts)
-    baseline = [D.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
+    baseline = [dflash2.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
                 for p in prompts]
 
     results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": 0,
@@ -191,13 +194,13 @@ def ablation(args, settings):
     for seed in range(args.seeds):  # seed by seed, so that a long run reports what it has so far
         for name in args.drafters:
             out = os.path.join(args.out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
-            run_args = T.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name]])
+            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name]])
             t0 = time.time()
-            T.train(run_args)
+            train.train(run_args)
             train_seconds = time.time() - t0
             # a partial variant exports as a full DFlash2 with its missing part at the identity (§7);
             # +conv then proposes through its own unary path, as a drafter with no selector does
-            drafter = D.DFlash2Drafter.from_pretrained(os.path.join(out, "checkpoint")).eval()
+            drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).eval()
             unary = without_selector(drafter)
             paths = {name: drafter, f"{name}, unary path": unary} if run_args.selector_top_k else {name: unary}
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)

@@ -65,10 +65,10 @@ def round_seconds(fns, repeats, warmup=1, device="cpu"):
     device, times = torch.device(device), {k: [] for k in fns}
     for r in range(warmup + repeats):
         for k, fn in fns.items():
-            t0 = dflash2._now(device)
+            t0 = dflash2.device_time(device)
             fn()
             if r >= warmup:
-                times[k].append(dflash2._now(device) - t0)
+                times[k].append(dflash2.device_time(device) - t0)
     return times
 
 

@@ -173,7 +173,8 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
     anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
         loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors.to(ids.device),
-                                       valid.to(ids.device), chunk_size=loss_chunk, with_metrics=False)
+                                       valid.to(ids.device), dflash2.LossConfig(chunk_size=loss_chunk),
+                                       with_metrics=False)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -33,7 +33,8 @@ import traceback
 
 import torch
 
-import dflash2 as D
+import checkpoint
+import dflash2
 from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
 from memory import GiB, drafter_config, memory_plan
@@ -47,38 +48,38 @@ REAL_STEP = dict(seq_len=3072, max_anchors=512, block_size=16, num_layers=5, los
 def pipeline(device, cache_dir, smoke, prompts=8, max_new_tokens=96):
     """train.py's default run (the quick world and 4 steps with smoke), then the export
     against the fp32 target on held-out prompts."""
-    import train as T
-    import tiny_world as W
+    import train
+    import tiny_world
     import transformers
     if smoke:
-        world = W.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        world = tiny_world.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
         flags = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16", "--val-size", "8",
                  "--eval-prompts", "1", "--eval-new-tokens", "8"]
         prompts, max_new_tokens = 2, 16
     else:
-        world, flags = W.tiny_world(cache_dir, T.parse_args([]).tiny_pretrain_steps), []
+        world, flags = tiny_world.tiny_world(cache_dir, train.parse_args([]).tiny_pretrain_steps), []
     with tempfile.TemporaryDirectory() as out:  # the run's files are not the check's output
-        args = T.parse_args(["--target", world[0], "--data", world[1], "--cache-dir", cache_dir, "--out-dir", out,
-                             *flags])
+        args = train.parse_args(["--target", world[0], "--data", world[1], "--cache-dir", cache_dir, "--out-dir", out,
+                                 *flags])
         t0 = time.time()
-        summary = T.train(args)
+        summary = train.train(args)
         train_seconds = time.time() - t0
-        drafter = D.DFlash2Drafter.from_pretrained(os.path.join(out, "checkpoint")).to(device).eval()
+        drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
     target = transformers.AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
     stop = [tokenizer.eos_token_id]
     equal, al, spec_tps, plain_tps = [], {0.0: [], 1.0: []}, [], []
     for p in prompts_of(validation_rows(args, tokenizer), prompts):
         p = p.to(device)
-        spec, s = D.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=stop)
-        plain, b = D.target_generate(target, p, max_new_tokens, stop_token_ids=stop)
+        spec, s = dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=stop)
+        plain, b = dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=stop)
         equal.append(torch.equal(spec, plain))
         al[0.0].append(s.mean_acceptance_length)
         spec_tps.append(s.tokens_per_second)
         plain_tps.append(b.tokens_per_second)
         g = torch.Generator(device).manual_seed(len(equal))
-        al[1.0].append(D.spec_generate(drafter, target, p, max_new_tokens, 1.0, stop_token_ids=stop,
-                                       generator=g)[1].mean_acceptance_length)
+        al[1.0].append(dflash2.spec_generate(drafter, target, p, max_new_tokens, 1.0, stop_token_ids=stop,
+                                             generator=g)[1].mean_acceptance_length)
     mean = lambda xs: sum(xs) / len(xs)
     return {"train_steps": args.steps, "train_seconds": train_seconds, "train_eval_al": [summary["al_t0"],
             summary["al_t1"]], "prompts": len(equal), "max_new_tokens": max_new_tokens, "greedy_equal": equal,
@@ -93,7 +94,7 @@ def real_scale(shape, device, step, repeats, compare):
     overrides = dict(num_layers=step["num_layers"], block_size=step["block_size"], mask_token_id=shape["vocab"] - 1)
     target = random_target(dtype=torch.bfloat16 if cuda else torch.float32, device=device, **shape)
     with torch.device(device):
-        drafter = D.DFlash2Drafter(drafter_config(target.config, **overrides))
+        drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **overrides))
     out = {"shape": {**shape, **step}}
     for checkpointed in (False, True):
         drafter.grad_checkpoint = checkpointed

@@ -1,5 +1,5 @@
-"""Tests of dflash2's checkpoint I/O (ALGORITHM.md §7): DFlash2Drafter.save_pretrained and
-from_pretrained against the contract written out from §7 (tensor names and shapes, config.json
+"""Tests of checkpoint.py's export I/O (ALGORITHM.md §7): save_export and load_export
+against the contract written out from §7 (tensor names and shapes, config.json
 keys), round trips that draft the same tokens, the export dtype, exports of drafters with a part
 off, DFlash (v1) checkpoints and the warm start from them, and what the loader refuses: fields
 dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 import transformers
 
+import checkpoint
 from conftest import tiny_drafter, tiny_qwen3
 from dflash2 import DFlash2Drafter, context_features, spec_generate
 
@@ -71,7 +72,7 @@ def checkpoint_drafter(target, **overrides):
 @pytest.fixture(scope="module")
 def saved_checkpoint(tmp_path_factory, target):
     path = tmp_path_factory.mktemp("saved") / "ckpt"
-    checkpoint_drafter(target).save_pretrained(path, dtype=torch.float32)
+    checkpoint.save_export(checkpoint_drafter(target), path, dtype=torch.float32)
     return path
 
 
@@ -130,7 +131,7 @@ def edit_tensors(path, edit):
 def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_path, target):
     drafter = checkpoint_drafter(target)
     path = tmp_path / "ckpt"
-    drafter.save_pretrained(path, dtype=torch.float32)
+    checkpoint.save_export(drafter, path, dtype=torch.float32)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"] and sorted(os.listdir(path)) == ["config.json", "model.safetensors"], (
         f"export left {sorted(os.listdir(tmp_path))}, holding {sorted(os.listdir(path))}")
 
@@ -157,7 +158,7 @@ def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_p
     assert (qwen3.hidden_size, qwen3.num_hidden_layers, qwen3.rope_parameters["rope_theta"]) == (32, 2, drafter.config.rope_theta), (
         f"transformers reads config.json as {qwen3}")
 
-    loaded = DFlash2Drafter.from_pretrained(path)
+    loaded = checkpoint.load_export(path)
     assert loaded.config == drafter.config, f"config after the round trip {loaded.config} != {drafter.config}"
     inputs = draft_inputs(drafter, target)
     for temperature in (0.0, 1.0):
@@ -167,11 +168,11 @@ def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_p
 
 def test_export_is_bf16_by_default_and_reloads_the_rounded_weights(tmp_path, target):
     drafter = checkpoint_drafter(target)
-    drafter.save_pretrained(tmp_path / "ckpt")
+    checkpoint.save_export(drafter, tmp_path / "ckpt")
     dtypes = tensor_shapes(tmp_path / "ckpt")[1]
     assert dtypes == {"BF16"}, f"default export holds {dtypes}, not bf16"
     assert transformers.Qwen3Config.from_pretrained(tmp_path / "ckpt").dtype == torch.bfloat16, "config.json does not say bfloat16"
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt").state_dict()
+    loaded = checkpoint.load_export(tmp_path / "ckpt").state_dict()
     for k, v in drafter.state_dict().items():
         assert torch.equal(loaded[k], v.bfloat16().float()), f"{k} is not the bf16 rounding of the saved tensor"
 
@@ -181,13 +182,13 @@ def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_pat
     """Engines build both parts for DFlash2DraftModel: the missing one is exported as the
     exact identity, so the reloaded full DFlash2 drafter drafts the same greedy tokens."""
     drafter = checkpoint_drafter(target, **{part_off: 0})
-    drafter.save_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    checkpoint.save_export(drafter, tmp_path / "ckpt", dtype=torch.float32)
     config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"], f"{part_off}=0 exported as {config['architectures']}"
     assert config["dflash_config"]["conv_kernel_size"] > 0 and config["dflash_config"]["selector_top_k"] > 0, (
         f"{part_off}=0 exported dflash_config {config['dflash_config']}")
     assert_tensor_contract(tmp_path / "ckpt", dflash2=True)
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "ckpt")
+    loaded = checkpoint.load_export(tmp_path / "ckpt")
     inputs = draft_inputs(drafter, target)
     (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(loaded, target, inputs, 0.0)
     assert torch.equal(h1, h0), f"{part_off}=0: hidden states after reload differ by {(h1 - h0).abs().max():.3g}"
@@ -197,7 +198,7 @@ def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_pat
 def test_export_is_readable_by_other_users(tmp_path, target):
     old = os.umask(0o077)
     try:
-        checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
+        checkpoint.save_export(checkpoint_drafter(target), tmp_path / "ckpt")
     finally:
         os.umask(old)
     modes = {p.name: oct(p.stat().st_mode & 0o777) for p in [tmp_path / "ckpt", *(tmp_path / "ckpt").iterdir()]}
@@ -222,7 +223,7 @@ def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, save
     before = {f: (path / f).read_bytes() for f in os.listdir(path)} if existing else None
     monkeypatch.setattr(crash, boom if crash.startswith("safetensors") else half_written_json)
     with pytest.raises(OSError, match="disk full"):
-        checkpoint_drafter(target).save_pretrained(path)
+        checkpoint.save_export(checkpoint_drafter(target), path)
     assert sorted(os.listdir(tmp_path)) == (["ckpt"] if existing else []), f"a crash in {crash} left {sorted(os.listdir(tmp_path))}"
     if existing:
         after = {f: (path / f).read_bytes() for f in os.listdir(path)}
@@ -235,7 +236,7 @@ def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, save
 
 def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
     v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
-    v1.save_pretrained(tmp_path / "v1", dtype=torch.float32)
+    checkpoint.save_export(v1, tmp_path / "v1", dtype=torch.float32)
     config = json.loads((tmp_path / "v1" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"], f"v1 architectures {config['architectures']}"
     off = {k: config["dflash_config"][k] for k in ("conv_kernel_size", "selector_top_k") if k in config["dflash_config"]}
@@ -243,9 +244,9 @@ def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
         and not any(off.values()), f"v1 dflash_config {config['dflash_config']}"
     assert_tensor_contract(tmp_path / "v1", dflash2=False)
 
-    loaded = DFlash2Drafter.from_pretrained(tmp_path / "v1")
+    loaded = checkpoint.load_export(tmp_path / "v1")
     assert not loaded.config.is_dflash2 and loaded.candidate_selector is None, f"v1 loaded as {loaded.config}"
-    warm = DFlash2Drafter.from_pretrained(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
+    warm = checkpoint.load_export(tmp_path / "v1", conv_kernel_size=2, conv_group_size=8, selector_top_k=4, selector_rank=4)
     assert warm.config.is_dflash2 and warm.layers[0].attention_conv is not None, f"warm start built {warm.config}"
     inputs = draft_inputs(v1, target)
     reference = drafts(v1, target, inputs, 0.0)
@@ -277,7 +278,7 @@ def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_ch
     shutil.copytree(saved_checkpoint, path)
     edit_config(path, lambda c: c.update({field: UNSUPPORTED[field]}))
     with pytest.raises(ValueError, match=f"{field} = .* is not supported"):
-        DFlash2Drafter.from_pretrained(path)
+        checkpoint.load_export(path)
 
 
 def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
@@ -286,7 +287,7 @@ def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_
     plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
              "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
     edit_config(path, lambda c: c.update(plain))
-    DFlash2Drafter.from_pretrained(path)
+    checkpoint.load_export(path)
 
 
 MALFORMED = {
@@ -312,7 +313,7 @@ def test_malformed_checkpoint_is_refused_naming_what_is_wrong(tmp_path, saved_ch
     shutil.copytree(saved_checkpoint, path)
     corrupt(path)
     with pytest.raises(ValueError, match=match):
-        DFlash2Drafter.from_pretrained(path)
+        checkpoint.load_export(path)
 
 
 class Payload:
@@ -333,11 +334,11 @@ def test_pickled_weights_are_never_unpickled(tmp_path, saved_checkpoint):
     with open(path / "model.safetensors", "wb") as f:
         pickle.dump({"fc.weight": Payload(str(marker))}, f)
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        DFlash2Drafter.from_pretrained(path)
+        checkpoint.load_export(path)
     assert not marker.exists(), "loading a checkpoint ran pickle"
 
 
 def test_an_unknown_override_is_refused_by_name(target, tmp_path):
-    checkpoint_drafter(target).save_pretrained(tmp_path / "ckpt")
+    checkpoint.save_export(checkpoint_drafter(target), tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
-        DFlash2Drafter.from_pretrained(tmp_path / "ckpt", blocksize=4)
+        checkpoint.load_export(tmp_path / "ckpt", blocksize=4)

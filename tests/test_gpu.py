@@ -14,7 +14,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import dflash2 as D
+import checkpoint
+import dflash2
 from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -66,12 +67,12 @@ def test_greedy_spec_generate_equals_target_on_cuda(fp32_matmuls, monkeypatch, p
     g = torch.Generator().manual_seed(0)
     for n in (3, 8, 13):
         prompt = torch.randint(0, 63, (1, n), generator=g).cuda()
-        plain, _ = D.target_generate(target, prompt, 40)
+        plain, _ = dflash2.target_generate(target, prompt, 40)
         for forced in (False, True):
             with monkeypatch.context() as m:
                 if forced:
                     force_drafts(m, drafter, torch.cat([prompt[0].cpu(), plain.cpu()]), [2, 0, 4, 1, 3])
-                spec, stats = D.spec_generate(drafter, target, prompt, 40)
+                spec, stats = dflash2.spec_generate(drafter, target, prompt, 40)
             differ = (spec.cpu() != plain.cpu()).nonzero() if spec.shape == plain.shape else torch.zeros(1, 1)
             assert spec.shape == plain.shape and not len(differ), \
                 f"prompt of {n}, forced {forced}: spec_generate {spec.tolist()} vs target {plain.tolist()}, first " \
@@ -105,7 +106,7 @@ def exact_joint3(target, temperature, top_p, top_k):
     V = LOOP_V
     pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
     ids = torch.cat([torch.tensor([LOOP_PROMPT]).expand(len(pairs), -1), pairs], 1).cuda()
-    p = D.sampling_probs(target(ids).logits[:, -3:].double().cpu(), temperature, top_p, top_k)  # (V^2, 3, V)
+    p = dflash2.sampling_probs(target(ids).logits[:, -3:].double().cpu(), temperature, top_p, top_k)  # (V^2, 3, V)
     x1, x2 = pairs[:, 0], pairs[:, 1]
     rows = torch.arange(len(pairs))
     return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)
@@ -124,7 +125,7 @@ def test_spec_generate_samples_the_target_law_on_cuda(monkeypatch, loop_models, 
     g, counts, first_cycle = torch.Generator("cuda").manual_seed(0), np.zeros((LOOP_V,) * 3), []
     prompt = torch.tensor([LOOP_PROMPT]).cuda()
     for _ in range(LOOP_RUNS):
-        out, stats = D.spec_generate(drafter, target, prompt, 4, temperature, top_p, top_k, generator=g)
+        out, stats = dflash2.spec_generate(drafter, target, prompt, 4, temperature, top_p, top_k, generator=g)
         counts[tuple(out[:3].tolist())] += 1
         first_cycle.append(stats.acceptance_lengths[0])
     al = np.bincount(first_cycle, minlength=4)[1:]
@@ -147,8 +148,9 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
     selector's edge scores still fp32 inside autocast."""
     target = tiny_qwen3(vocab_size=1024, hidden_size=64, num_layers=4, head_dim=16, dtype=torch.float32).to(device)
     torch.manual_seed(0)
-    c = D.DFlash2Config.from_target(target.config, num_layers=2, block_size=8, selector_rank=16, mask_token_id=1023)
-    drafter = D.DFlash2Drafter(c).to(device)
+    c = dflash2.DFlash2Config.from_target(target.config, num_layers=2, block_size=8, selector_rank=16,
+                                          mask_token_id=1023)
+    drafter = dflash2.DFlash2Drafter(c).to(device)
     with torch.no_grad():
         for p in drafter.parameters():  # off the identity init, so the DFlash2 parts carry gradient
             p.add_(0.02 * torch.randn_like(p))
@@ -157,13 +159,13 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
     ones = torch.ones_like(ids)
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
-    anchors, valid = (x.to(device) for x in D.sample_anchors(ones, 16, g))
+    anchors, valid = (x.to(device) for x in dflash2.sample_anchors(ones, 16, g))
 
     def run(amp, chunk):
         drafter.zero_grad(set_to_none=True)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-            loss, _ = D.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid, chunk_size=chunk,
-                                     with_metrics=False)
+            loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid,
+                                           dflash2.LossConfig(chunk_size=chunk), with_metrics=False)
             h = torch.randn(3, c.hidden_size, device=device)
             cand = torch.randint(0, c.vocab_size, (3, 4), device=device)
             scores = drafter.candidate_selector.edge_scores(h, torch.randn(3, c.vocab_size, device=device),
@@ -187,9 +189,9 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
 @CUDA
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
 def test_train_takes_steps_on_cuda(tmp_path, capsys, grad_checkpoint):
-    import tiny_world as W
-    import train as T
-    tokenizer = W.build_tiny_tokenizer()
+    import tiny_world
+    import train
+    tokenizer = tiny_world.build_tiny_tokenizer()
     torch.manual_seed(0)
     config = Qwen3Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
@@ -197,15 +199,15 @@ def test_train_takes_steps_on_cuda(tmp_path, capsys, grad_checkpoint):
                          eos_token_id=tokenizer.eos_token_id)
     Qwen3ForCausalLM(config).save_pretrained(tmp_path / "target")
     tokenizer.save_pretrained(tmp_path / "target")
-    convs = W.stdlib_conversations(chunk_chars=120)[:24]
+    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:24]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--out-dir",
              str(tmp_path / "out"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6", "--val-size", "4",
              "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8", "--log-every", "1",
              "--steps", "2", *(["--grad-checkpoint"] if grad_checkpoint else [])]
-    summary = T.train(T.parse_args(flags))
+    summary = train.train(train.parse_args(flags))
     assert "1 rank(s) on cuda" in capsys.readouterr().out, "train.py did not run on the GPU"
     assert len(summary["losses"]) == 2 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, summary
-    drafter = D.DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint")
+    drafter = checkpoint.load_export(tmp_path / "out" / "checkpoint")
     assert all(torch.isfinite(p).all() for p in drafter.parameters()), "the export holds non-finite weights"

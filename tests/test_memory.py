@@ -83,7 +83,7 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
     for chunk, most in ((5, 5), (None, slots)):
         with LargestVocabTensor(V) as seen:
             loss, stats = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid,
-                                               chunk_size=chunk)
+                                               dflash2.LossConfig(chunk_size=chunk))
             loss.backward()
         assert seen.largest == most * V, \
             f"chunk_size {chunk}: largest vocabulary-wide tensor has {seen.largest // V} slots, want {most}"

@@ -13,9 +13,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import checkpoint as R
-import tiny_world as W
-import train as T
+import checkpoint
+import tiny_world
+import train
 from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 
@@ -40,8 +40,8 @@ def write_jsonl(path, rows):
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
     root = tmp_path_factory.mktemp("world")
-    convs = W.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
-    return {"root": root, "target": save_tiny_target(root / "target", W.build_tiny_tokenizer()),
+    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
+    return {"root": root, "target": save_tiny_target(root / "target", tiny_world.build_tiny_tokenizer()),
             "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
@@ -53,7 +53,7 @@ def flags(world, out, *extra, data=None):
 
 
 def args_for(world, out, *extra, data=None):
-    return T.parse_args(flags(world, out, *extra, data=data))
+    return train.parse_args(flags(world, out, *extra, data=data))
 
 
 @pytest.fixture(scope="module")
@@ -63,14 +63,14 @@ def reference_run(world, tmp_path_factory):
     -> its out dir, the summary train() returns, and what it printed."""
     out, printed = tmp_path_factory.mktemp("reference") / "out", io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = T.train(args_for(world, out, "--steps", "4", "--save-every", "2"))
+        summary = train.train(args_for(world, out, "--steps", "4", "--save-every", "2"))
     return {"out": out, "summary": summary, "printed": printed.getvalue()}
 
 
 def test_smoke_run_logs_records_and_exports_a_loadable_checkpoint(reference_run):
     summary, out = reference_run["summary"], reference_run["out"]
     assert len(summary["losses"]) == 4 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
-    drafter = DFlash2Drafter.from_pretrained(out / "checkpoint")
+    drafter = checkpoint.load_export(out / "checkpoint")
     assert drafter.config.hidden_size == 64 and drafter.config.selector_top_k == 16, drafter.config
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, f"acceptance lengths {summary['al_t0']}, {summary['al_t1']}"
     printed = reference_run["printed"]
@@ -85,12 +85,12 @@ def test_smoke_run_logs_records_and_exports_a_loadable_checkpoint(reference_run)
 @pytest.mark.parametrize("generation_tag", [True, False])
 @pytest.mark.parametrize("shape", ["messages", "conversations"])
 def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
-    template = W.CHATML if generation_tag else re.sub(r"{% (end)?generation %}", "", W.CHATML)
-    tokenizer = W.build_tiny_tokenizer(template)
+    template = tiny_world.CHATML if generation_tag else re.sub(r"{% (end)?generation %}", "", tiny_world.CHATML)
+    tokenizer = tiny_world.build_tiny_tokenizer(template)
     msgs = CONVERSATION if shape == "messages" else [
         {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
-    rows = T.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512,
-                       log=lambda *a: None)
+    rows = train.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512,
+                           log=lambda *a: None)
     ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
     got = tokenizer.decode(ids[mask.bool()])
     want = CONVERSATION[1]["content"] + "<|im_end|>"  # with or without {% generation %} marks
@@ -99,17 +99,17 @@ def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
 
 def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, monkeypatch):
     straight = reference_run["summary"]["losses"]  # 4 steps, a checkpoint every 2
-    save = T.save_checkpoint
+    save = train.save_checkpoint
 
     def save_then_die(*a, **k):  # a kill right after the step-2 checkpoint
         save(*a, **k)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(T, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        T.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2"))
-    monkeypatch.setattr(T, "save_checkpoint", save)
-    resumed = T.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume"))["losses"]
+        train.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2"))
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    resumed = train.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume"))["losses"]
     assert list(resumed) == [3, 4], f"resumed run did steps {list(resumed)}, expected [3, 4]"
     assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -119,23 +119,23 @@ def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, mo
 def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
     v1 = DFlash2Config.from_target(AutoConfig.from_pretrained(world["target"]), mask_token_id=258, num_layers=1,
                                    conv_kernel_size=0, selector_top_k=0)
-    DFlash2Drafter(v1).save_pretrained(tmp_path / "v1")
-    T.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(tmp_path / "v1")))
-    c = DFlash2Drafter.from_pretrained(tmp_path / "out" / "checkpoint").config
+    checkpoint.save_export(DFlash2Drafter(v1), tmp_path / "v1")
+    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(tmp_path / "v1")))
+    c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
     assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
 
 
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
-    real, calls = T.dflash2_loss, []
+    real, calls = train.dflash2_loss, []
 
     def nan_on_second_step(*a, **k):
         loss, stats = real(*a, **k)
         calls.append(1)
         return (loss * float("nan") if len(calls) == 2 else loss), stats
 
-    monkeypatch.setattr(T, "dflash2_loss", nan_on_second_step)
+    monkeypatch.setattr(train, "dflash2_loss", nan_on_second_step)
     with pytest.raises(RuntimeError, match="not finite"):
-        T.train(args_for(world, tmp_path / "out", "--steps", "4", "--save-every", "1"))
+        train.train(args_for(world, tmp_path / "out", "--steps", "4", "--save-every", "1"))
     state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)
     assert state["step"] == 1, f"last checkpoint is from step {state['step']}, expected 1 (before the NaN)"
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
@@ -172,9 +172,9 @@ def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference
 
 
 def other_width_checkpoint(path):
-    DFlash2Drafter(DFlash2Config(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16,
-                                 vocab_size=260, num_target_layers=4, target_layer_ids=[1], mask_token_id=258,
-                                 num_layers=1)).save_pretrained(path)
+    c = DFlash2Config(hidden_size=32, intermediate_size=64, num_heads=2, num_kv_heads=1, head_dim=16, vocab_size=260,
+                      num_target_layers=4, target_layer_ids=[1], mask_token_id=258, num_layers=1)
+    checkpoint.save_export(DFlash2Drafter(c), path)
     return str(path)
 
 
@@ -197,7 +197,7 @@ def test_bad_input_is_refused_before_the_out_dir_is_created(world, tmp_path, cas
         (tmp_path / "file").write_text("")
         out, match = tmp_path / "file" / "out", "not writable"
     with pytest.raises(ValueError, match=match):
-        T.train(args_for(world, out, "--steps", "1", *extra, data=data))
+        train.train(args_for(world, out, "--steps", "1", *extra, data=data))
     assert not out.exists(), f"{out} was created by a run that failed on bad input"
 
 
@@ -220,7 +220,7 @@ def no_target_load(monkeypatch):
     """Data errors must surface before the target's weights load: loading them is an error here."""
     def refuse(*a, **k):
         raise AssertionError("the target's weights were loaded before the data was checked")
-    monkeypatch.setattr(T.transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    monkeypatch.setattr(train.transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_DATA)
@@ -228,21 +228,21 @@ def test_bad_data_is_one_line_naming_the_row_before_the_target_loads(world, tmp_
     name, text, match = BAD_DATA[case]
     (tmp_path / name).write_text(text)
     with pytest.raises(ValueError, match=match):
-        T.train(args_for(world, tmp_path / "out", "--steps", "1", data=str(tmp_path / name)))
+        train.train(args_for(world, tmp_path / "out", "--steps", "1", data=str(tmp_path / name)))
 
 
 def test_a_target_folder_that_is_not_a_model_is_named(world, tmp_path, no_target_load):
     (tmp_path / "notamodel").mkdir()
     with pytest.raises(ValueError, match="notamodel: the folder has no config.json"):
-        T.train(T.parse_args(["--target", str(tmp_path / "notamodel"), "--data", world["data"],
-                              "--out-dir", str(tmp_path / "out")]))
+        train.train(train.parse_args(["--target", str(tmp_path / "notamodel"), "--data", world["data"],
+                                      "--out-dir", str(tmp_path / "out")]))
 
 
 @pytest.mark.parametrize("flag", ["--grad-accum", "--log-every", "--eval-prompts", "--val-size", "--steps",
                                   "--batch-size", "--max-anchors", "--eval-new-tokens"])
 def test_zero_counts_are_refused_by_the_parser(flag, capsys):
     with pytest.raises(SystemExit):
-        T.parse_args([flag, "0"])
+        train.parse_args([flag, "0"])
     assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
 
 
@@ -254,13 +254,13 @@ def test_zero_counts_are_refused_by_the_parser(flag, capsys):
     (["--selector-labels", "soft", "--soft-labels-at", "1,0.9,x"], "'1,0.9,x' is not T[,top_p[,top_k]]")])
 def test_bad_soft_label_settings_are_refused_by_the_parser(argv, message, capsys):
     with pytest.raises(SystemExit):
-        T.parse_args(argv)
+        train.parse_args(argv)
     assert message in capsys.readouterr().err
 
 
 def test_soft_label_settings_parse_with_the_filters_left_out():
     for text, want in (("0.7", (0.7, 1.0, 0)), ("1,0.95", (1.0, 0.95, 0)), ("1,0.95,20", (1.0, 0.95, 20))):
-        assert T.parse_args(["--selector-labels", "soft", "--soft-labels-at", text]).soft_labels_at == want, text
+        assert train.parse_args(["--selector-labels", "soft", "--soft-labels-at", text]).soft_labels_at == want, text
 
 
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
@@ -283,30 +283,31 @@ def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
         extra, match = extra + ["--num-layers", "3"], r"drafter: saved num_layers 2 != now 3"
     args = args_for(world, tmp_path / "out", *extra)
     if change == "target":  # same shape, other weights
-        other = save_tiny_target(tmp_path / "other", W.build_tiny_tokenizer())
+        other = save_tiny_target(tmp_path / "other", tiny_world.build_tiny_tokenizer())
         with torch.no_grad():
             model = AutoModelForCausalLM.from_pretrained(other)
             model.lm_head.weight.add_(1.0)
             model.save_pretrained(other)
         args.target, match = other, "the target's weights differ"
     with pytest.raises(ValueError, match=match):
-        T.train(args)
+        train.train(args)
 
 
 def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     for step in (1, 2, 3, 4, 5):
-        R.record(tmp_path, {"kind": "train", "step": step})
-    R.rewind_record(tmp_path, 3)
+        checkpoint.record(tmp_path, {"kind": "train", "step": step})
+    checkpoint.rewind_record(tmp_path, 3)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 
 
 def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path):
     data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
-    T.regenerate(T.parse_args(["--target", world["target"], "--data", data, "--regenerate", str(tmp_path / "out.jsonl"),
-                               "--regen-max-new-tokens", "12"]), log=lambda *a: None)
+    train.regenerate(train.parse_args(["--target", world["target"], "--data", data,
+                                       "--regenerate", str(tmp_path / "out.jsonl"), "--regen-max-new-tokens", "12"]),
+                     log=lambda *a: None)
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    tokenizer = T.load_tokenizer(world["target"], None)
+    tokenizer = train.load_tokenizer(world["target"], None)
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
     ids = tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
     new = []
@@ -322,14 +323,14 @@ def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path):
 
 
 def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_path, no_target_load, capsys):
-    args = T.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--plan",
-                         "--gpu-memory-gib", "0.001", "--out-dir", str(tmp_path / "out")])
-    plan = T.train(args)["plan"]
+    args = train.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--plan",
+                             "--gpu-memory-gib", "0.001", "--out-dir", str(tmp_path / "out")])
+    plan = train.train(args)["plan"]
     out = capsys.readouterr().out
     assert "estimated peak" in out and "largest batch in 0.001 GiB:  0" in out, out
     assert plan["max_batch_size"] == 0 and not (tmp_path / "out").exists(), plan
     with pytest.raises(ValueError, match="cannot read the target's config at .*nowhere"):
-        T.train(T.parse_args(["--target", str(tmp_path / "nowhere"), "--plan"]))
+        train.train(train.parse_args(["--target", str(tmp_path / "nowhere"), "--plan"]))
 
 
 def test_dry_run_writes_the_untrained_export_and_the_serving_commands(world, tmp_path, no_target_load, capsys):
@@ -337,9 +338,10 @@ def test_dry_run_writes_the_untrained_export_and_the_serving_commands(world, tmp
     the export of the drafter shape the flags ask for, which loads back with that shape; it
     prints each engine's command with this export's path and block size (vLLM: B - 1)."""
     out = tmp_path / "dry"
-    T.train(T.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--out-dir", str(out),
-                          "--block-size", "6", "--num-layers", "1", "--selector-rank", "8", "--dry-run"]))
-    drafter = DFlash2Drafter.from_pretrained(out / "checkpoint")
+    train.train(train.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"),
+                                  "--out-dir", str(out), "--block-size", "6", "--num-layers", "1", "--selector-rank", "8",
+                                  "--dry-run"]))
+    drafter = checkpoint.load_export(out / "checkpoint")
     target = AutoConfig.from_pretrained(world["target"])
     c = drafter.config
     assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
