@@ -1,9 +1,8 @@
 """
 DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the
 two DFlash2 additions — a grouped dynamic local convolution and a low-rank candidate
-selector — plus its training objective and lossless speculative decoding. The export
-format that vLLM, SGLang and the z-lab `dflash` package load is in checkpoint.py (§7), which
-imports this file; this file imports nothing from the repository.
+selector — plus its training objective and lossless speculative decoding. It imports nothing
+from the repository; checkpoint.py imports it and owns the export engines load (§7).
 
 References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
 Aug 2026); the z-lab `dflash` package (inference reference). ALGORITHM.md in this
@@ -503,8 +502,7 @@ def sample_anchors(loss_mask, max_anchors, generator=None):
 
 
 def block_layout(input_ids, anchors, block_size, mask_token_id):
-    """Blocks [x[a_j], MASK x (B-1)] at positions a_j + 0..B-1, concatenated:
-    ids (b, N·B), positions (b, N·B)."""
+    """Blocks [x[a_j], MASK x (B-1)] at positions a_j + 0..B-1, concatenated -> ids, positions (b, N·B)."""
     b, N = anchors.shape
     ids = torch.full((b, N, block_size), mask_token_id, dtype=torch.long, device=input_ids.device)
     ids[:, :, 0] = input_ids.gather(1, anchors)
@@ -561,23 +559,19 @@ class LossConfig:
     chunk_size: int | None = None        # slots whose (slots, V) logits live at once, recomputed in backward
 
     def __post_init__(self):
-        rules = [
+        at = {name: getattr(self, name) for name in ("soft_labels_at", "accept_at")}
+        for ok, sentence in (
             (self.loss_type in ("kl", "ce"), f"loss_type ({self.loss_type!r}) must be 'kl' or 'ce'"),
             (self.selector_labels in ("argmax", "soft"),
              f"selector_labels ({self.selector_labels!r}) must be 'argmax' or 'soft'"),
-            (self.soft_labels_at is None or self.selector_labels == "soft",
-             f"soft_labels_at ({self.soft_labels_at}) needs selector_labels='soft'"),
-            (self.gamma is None or self.gamma > 0,
-             f"gamma ({self.gamma}) must be > 0 (or None for the block size's default)"),
+            (at["soft_labels_at"] is None or self.selector_labels == "soft",
+             f"soft_labels_at ({at['soft_labels_at']}) needs selector_labels='soft'"),
+            (self.gamma is None or self.gamma > 0, f"gamma ({self.gamma}) must be > 0 (or None for B's default)"),
             (self.alpha >= 0, f"alpha ({self.alpha}) must be >= 0"),
-            (self.chunk_size is None or self.chunk_size >= 1,
-             f"chunk_size ({self.chunk_size}) must be >= 1 (or None for every slot at once)")]
-        for name in ("soft_labels_at", "accept_at"):
-            t, top_p, top_k = getattr(self, name) or (1.0, 1.0, 0)
-            rules.append((0 < t < math.inf and 0 < top_p <= 1 and isinstance(top_k, int) and top_k >= 0,
-                          f"{name} ({getattr(self, name)}) must be (temperature > 0, top_p in (0, 1], integer "
-                          "top_k >= 0)"))
-        for ok, sentence in rules:
+            (self.chunk_size is None or self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1 or None"),
+            *((0 < t < math.inf and 0 < p <= 1 and isinstance(k, int) and k >= 0, f"{name} ({setting}) must be "
+               "(temperature > 0, top_p in (0, 1], integer top_k >= 0)")
+              for name, setting in at.items() for t, p, k in [setting or (1.0, 1.0, 0)])):
             if not ok:
                 raise ValueError(sentence)
 
@@ -612,9 +606,8 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
 
 
 def weighted_sums(selector, lm_head, cfg, h, ref_h, prev, w):
-    """Σ w·unary term, and with a selector Σ w·selector term and Σ w·(selector weight), for
-    a run of slots: h / ref_h (n, H) drafter / target final hidden states, prev / w (n,).
-    Only (n, V) logits live here, so n bounds the loss's memory."""
+    """Σ w·unary term (with a selector also Σ w·selector term, Σ w·selector weight) over n slots:
+    h / ref_h (n, H) drafter / target final hidden states, prev / w (n,). n bounds the memory."""
     term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
                                   cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at)
     if sel is None:
@@ -623,10 +616,9 @@ def weighted_sums(selector, lm_head, cfg, h, ref_h, prev, w):
 
 
 def block_slots(anchors, anchor_valid, loss_mask, block_size):
-    """Slot k = 1..B-1 of block j predicts position t = a_j + k. It is counted iff its anchor
-    is real, t < S and loss_mask[t] = 1. Its label, its reference logits and its selector
-    predecessor are all read at t - 1 (the target predicts t there; slot 1's is the anchor).
-    -> counted (b, N, B-1) bool, src (b, N, B-1) long: t - 1, with t clamped into the row."""
+    """Slot k = 1..B-1 of block j predicts t = a_j + k and counts iff its anchor is real, t < S
+    and loss_mask[t] = 1. Its label, reference logits and selector predecessor are read at t - 1
+    (slot 1's: the anchor). -> counted (b, N, B-1) bool, src (b, N, B-1) long: t - 1, t clamped."""
     S = loss_mask.shape[1]
     t = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)   # (b, N, B-1)
     t_in = t.clamp(max=S - 1)
@@ -641,12 +633,11 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     Over the counted slots (block_slots), with slot_losses' terms: L_unary = Σ w·term / Σ w,
     w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m, m the labels' mass on the top-K (argmax
     labels: 1[y ∈ C], so slots the selector could never get right are left out). The target's
-    logits are lm_head(hidden_states[-1]) (HF's last hidden state is after the final norm),
-    for counted slots only. with_metrics: also the §6 metrics, every stat a float (host
-    syncs); training steps pass False and get the loss terms as detached tensors.
-    Data parallel: `forward` is the wrapper (DistributedDataParallel) that runs the drafter,
-    `weight_sums` maps this batch's (Σw unary, Σw selector) to their mean over ranks: the
-    divisors that make the averaged gradients those of the global batch."""
+    logits are lm_head(hidden_states[-1]): HF's last hidden state is after the final norm.
+    with_metrics: also the §6 metrics, every stat a float (host syncs); training steps pass
+    False and get the loss terms as detached tensors. Data parallel: `forward` is the wrapper
+    (DistributedDataParallel) that runs the drafter, `weight_sums` maps this batch's (Σw unary,
+    Σw selector) to their mean over ranks, so that the averaged gradients are the global batch's."""
     c = drafter.config
     B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
     embed, lm_head = check_target(c, target)
@@ -689,12 +680,10 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
 
 
 def _metric_hits(drafter, lm_head, h, ref_h, prev, accept_at):
-    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for
-    unary argmax right, label among the top-K, teacher-forced selector pick right, and the
-    self-conditioned walk right (it feeds its own choices forward from the anchor); float,
-    at the sampling setting accept_at = (T, top_p, top_k), for the probabilities Σ min(p, q)
-    that rejection sampling keeps the unary draft and the selector's (§4's p and q), the
-    target's mass on the top-K (the most the selector's can reach)."""
+    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for unary
+    argmax right, label among the top-K, teacher-forced selector pick right, the walk (its own
+    choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
+    the chance rejection sampling keeps the unary / selector draft (§4), and the target's mass on the top-K."""
     unary, ref = head_logits(lm_head, h), head_logits(lm_head, ref_h)
     label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
     hits = {"unary": unary.argmax(-1) == label, "accept_unary": torch.minimum(p, sampling_probs(unary, *accept_at)).sum(-1)}
