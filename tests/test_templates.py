@@ -25,8 +25,8 @@ import json
 
 import pytest
 
-import data as D
-import tiny_world as W
+import data
+import tiny_world
 
 # -----------------------------------------------------------------------------
 # the templates
@@ -193,7 +193,7 @@ FAMILIES = {  # template, special tokens, plain added tokens (as the real tokeni
 
 def tokenizer_for(family):
     template, special, plain = FAMILIES[family]
-    tokenizer = W.build_tiny_tokenizer(template)
+    tokenizer = tiny_world.build_tiny_tokenizer(template)
     tokenizer.add_tokens(special, special_tokens=True)
     tokenizer.add_tokens(plain)
     return tokenizer
@@ -320,7 +320,7 @@ def runs(tokenizer, ids, mask):
 def test_trained_tokens_are_what_the_target_generates(family, case):
     messages, kwargs, tools, want = CASES[family, case]
     tokenizer = tokenizer_for(family)
-    ids, mask = D.assistant_tokens(tokenizer, messages, kwargs, tools)
+    ids, mask = data.assistant_tokens(tokenizer, messages, kwargs, tools)
     assert mask == expected_mask(tokenizer, ids, want), \
         f"{family}, {case}: trained\n{runs(tokenizer, ids, mask)}\nexpected\n{want}"
 
@@ -347,7 +347,7 @@ def test_the_file_path_trains_the_same_tokens(family, tmp_path):
         group = [c for c in cases if json.dumps(c[1]) == kwargs] * 2  # each case as OpenAI and ShareGPT rows
         path = tmp_path / "rows.jsonl"
         path.write_text("".join(json.dumps(as_file_row(m, t, n)) + "\n" for n, (m, _, t, _) in enumerate(group)))
-        rows = D.load_rows(str(path), "train", tokenizer, 4096, template_kwargs=json.loads(kwargs), log=logs.append)
+        rows = data.load_rows(str(path), "train", tokenizer, 4096, template_kwargs=json.loads(kwargs), log=logs.append)
         assert len(rows) == len(group), f"{family}: {len(rows)} rows of {len(group)} survived: {logs}"
         for n, (row, (_, _, _, want)) in enumerate(zip(rows, group)):
             ids, mask = row["input_ids"].tolist(), row["loss_mask"].tolist()
@@ -378,10 +378,10 @@ def test_a_row_the_template_cannot_render_is_named_with_its_message(family, tmp_
     path = tmp_path / "r.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in (good, messages, good)))
     with pytest.raises(ValueError) as e:
-        D.load_rows(str(path), "train", tokenizer, 512)
+        data.load_rows(str(path), "train", tokenizer, 512)
     assert f"r.jsonl: line 2: {match}" in str(e.value), f"{family}: {e.value}"
     logs = []
-    rows = D.load_rows(str(path), "train", tokenizer, 512, drop_bad=True, log=logs.append)
+    rows = data.load_rows(str(path), "train", tokenizer, 512, drop_bad=True, log=logs.append)
     message = match.removeprefix("chat template: ")
     assert len(rows) == 2 and any("dropped 1 of 3 rows the chat template rejects" in l and message in l
                                   for l in logs), (len(rows), logs)
@@ -393,13 +393,13 @@ def test_reasoning_a_template_drops_is_counted(tmp_path):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     for family, dropped in (("qwen3", 1), ("deepseek", 2), ("harmony", 1)):  # earlier turns; everywhere; earlier
         logs = []
-        D.load_rows(str(path), "train", tokenizer_for(family), 512, log=logs.append)
+        data.load_rows(str(path), "train", tokenizer_for(family), 512, log=logs.append)
         want = f"{dropped} of 2 assistant turns with reasoning are trained without it"
         assert any(want in l for l in logs), f"{family}: expected {want!r} in {logs}"
 
 
 def test_template_facts_read_each_mechanism():
-    got = {f: D.template_facts(tokenizer_for(f)) for f in ("nemo", "harmony", "qwen3", "llama31", "deepseek")}
+    got = {f: data.template_facts(tokenizer_for(f)) for f in ("nemo", "harmony", "qwen3", "llama31", "deepseek")}
     ends = {f: sorted(tokenizer_for(f).convert_ids_to_tokens(sorted(facts["ends"]))) for f, facts in got.items()}
     assert ends["harmony"] == ["<|call|>", "<|end|>", "<|return|>"], ends
     assert ends["nemo"] == ["</s>"] and ends["llama31"] == ["<|eot_id|>"], ends
@@ -416,6 +416,6 @@ def test_generation_marks_narrow_the_mask_and_never_widen_it():
                     "{% generation %}{{- m.content -}}{% endgeneration %}{{- '<|im_end|>\\n' -}}"
                     "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}"
                     "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
-    tokenizer = W.build_tiny_tokenizer(content_only)
-    ids, mask = D.assistant_tokens(tokenizer, [U("«u1»"), A("«c1»"), U("«u2»"), A("«c2»")])
+    tokenizer = tiny_world.build_tiny_tokenizer(content_only)
+    ids, mask = data.assistant_tokens(tokenizer, [U("«u1»"), A("«c1»"), U("«u2»"), A("«c2»")])
     assert mask == expected_mask(tokenizer, ids, ["«c1»", "«c2»"]), runs(tokenizer, ids, mask)
