@@ -166,6 +166,21 @@ def test_fp32_export_follows_the_contract_and_drafts_the_same_after_reload(tmp_p
                            f"fp32 round trip, T={temperature}")
 
 
+@pytest.mark.parametrize("folder", ["drafter", "drafter_v1", "drafter_conv_only", "drafter_selector_only"])
+def test_config_json_is_byte_identical_to_the_published_exports(tmp_path, folder):
+    """Engines and porters may read config.json as text (key order, indent, number spelling):
+    re-exporting a committed golden drafter writes its config.json byte for byte."""
+    published = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "port", "golden", folder)
+    with open(os.path.join(published, "config.json"), "rb") as f:
+        want = f.read()
+    dtype = getattr(torch, json.loads(want)["torch_dtype"])  # the partial variants are published in bf16
+    checkpoint.save_export(checkpoint.load_export(published), tmp_path / "ckpt", dtype=dtype)
+    got = (tmp_path / "ckpt" / "config.json").read_bytes()
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    assert got == want, (f"{folder}/config.json differs from byte {at} on ({len(got)} bytes, published {len(want)}): "
+                         f"{got[at:at + 60]!r} != published {want[at:at + 60]!r}")
+
+
 def test_export_is_bf16_by_default_and_reloads_the_rounded_weights(tmp_path, target):
     drafter = checkpoint_drafter(target)
     checkpoint.save_export(drafter, tmp_path / "ckpt")

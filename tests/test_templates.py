@@ -419,3 +419,20 @@ def test_generation_marks_narrow_the_mask_and_never_widen_it():
     tokenizer = tiny_world.build_tiny_tokenizer(content_only)
     ids, mask = data.assistant_tokens(tokenizer, [U("«u1»"), A("«c1»"), U("«u2»"), A("«c2»")])
     assert mask == expected_mask(tokenizer, ids, ["«c1»", "«c2»"]), runs(tokenizer, ids, mask)
+
+
+def test_reasoning_reaches_a_template_under_the_name_it_reads():
+    """transformers itself copies any of the three names into reasoning_content and thinking, so
+    only a template that reads `reasoning` shows whether data.py passes the name the template reads."""
+    reads_reasoning = (
+        "{%- for m in messages -%}{%- if m.role == 'assistant' -%}{{- '<|im_start|>assistant\\n' -}}"
+        "{%- if m.reasoning -%}{{- '<think>' + m.reasoning + '</think>' -}}{%- endif -%}"
+        "{{- m.content + '<|im_end|>\\n' -}}"
+        "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
+    tokenizer = tiny_world.build_tiny_tokenizer(reads_reasoning)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    for field in data.REASONING:
+        ids, mask = data.assistant_tokens(tokenizer, [U("q"), A("answer", **{field: "why"})])
+        assert runs(tokenizer, ids, mask) == ["<think>why</think>answer<|im_end|>"], \
+            f"a row holding {field!r}: trained {runs(tokenizer, ids, mask)}"

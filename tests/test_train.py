@@ -116,6 +116,30 @@ def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, mo
     assert steps == [1, 2, 3, 4, 4], f"the resumed run's record holds steps {steps}, want 1..4 once (+ the eval at 4)"
 
 
+def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypatch):
+    """A row's place in the data stream, not its index in the data, seeds its anchors: a second
+    epoch trains other blocks of the same rows (with anchors seeded by the index, every row would
+    repeat its blocks)."""
+    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:6]
+    data = write_jsonl(tmp_path / "six.jsonl", [{"messages": c} for c in convs])
+    drawn, loss_step = [], train.loss_step
+
+    def recording(drafter, target, batch, args, seeds, *rest, **kw):  # the anchors this step draws, by row
+        ids, attn, loss_mask = batch
+        anchors, valid = train.row_anchors(loss_mask, args.max_anchors, seeds)
+        drawn.extend((tuple(ids[r][attn[r].bool()].tolist()), anchors[r][valid[r]].tolist()) for r in range(len(ids)))
+        return loss_step(drafter, target, batch, args, seeds, *rest, **kw)
+
+    monkeypatch.setattr(train, "loss_step", recording)
+    train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "2", data=data))
+    by_row = {}
+    for row, anchors in drawn[:8]:  # 4 training rows, twice; the evaluation's rows come after
+        by_row.setdefault(row, []).append(anchors)
+    assert sorted(map(len, by_row.values())) == [2] * 4, f"rows seen {sorted(map(len, by_row.values()))} times"
+    same = sum(a == b for a, b in by_row.values())
+    assert same == 0, f"{same} of 4 rows draw the same anchors in both epochs"
+
+
 def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
     v1 = DFlash2Config.from_target(AutoConfig.from_pretrained(world["target"]), mask_token_id=258, num_layers=1,
                                    conv_kernel_size=0, selector_top_k=0)
@@ -271,17 +295,20 @@ def test_script_bad_input_exits_with_one_line(world, tmp_path):
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"train.py: {bad}: empty file"], run.stderr
 
 
-@pytest.mark.parametrize("change", ["steps", "seq-len", "target", "layers"])
+@pytest.mark.parametrize("change", ["steps", "seq-len", "target", "layers", "data"])
 def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
     shutil.copytree(reference_run["out"], tmp_path / "out")
-    extra, match = ["--steps", "4", "--resume"], None
+    extra, match, data = ["--steps", "4", "--resume"], None, None
     if change == "steps":
         extra, match = ["--steps", "5", "--resume"], r"schedule: saved steps 4 != now 5"
     elif change == "seq-len":
         extra, match = extra + ["--seq-len", "160"], r"seq_len: saved 192 != now 160"
     elif change == "layers":
         extra, match = extra + ["--num-layers", "3"], r"drafter: saved num_layers 2 != now 3"
-    args = args_for(world, tmp_path / "out", *extra)
+    elif change == "data":  # as many rows, other text
+        convs = tiny_world.stdlib_conversations(chunk_chars=120)[24:48]
+        data, match = write_jsonl(tmp_path / "other.jsonl", [{"messages": c} for c in convs]), r"data: saved sample_sha256"
+    args = args_for(world, tmp_path / "out", *extra, data=data)
     if change == "target":  # same shape, other weights
         other = save_tiny_target(tmp_path / "other", tiny_world.build_tiny_tokenizer())
         with torch.no_grad():
