@@ -8,6 +8,7 @@ minimal template written here with the family's mechanism:
   harmony   per-turn end tokens (<|end|>, <|return|> for the last turn, <|call|>), channel headers,
             reasoning in an analysis channel read from `thinking` and dropped from earlier turns,
             one tool call per turn, tool turns named after the last call
+  qwen25    a default system prompt when the row has none; `arguments | tojson` (an object)
   qwen3     reasoning_content, dropped before the last user turn; tool calls with string or object
             arguments; tool results merged into a user turn; enable_thinking
   thinking  Qwen3-4B-Thinking-2507: qwen3's turns, a generation prompt that ends in <think>\n, the
@@ -84,6 +85,17 @@ HARMONY = (
     " + '<|end|>' -}}"
     "{%- else -%}{{- '<|start|>user<|message|>' + m.content + '<|end|>' -}}{%- endif -%}{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|start|>assistant' -}}{%- endif -%}")
+QWEN25 = (
+    "{%- if messages[0].role != 'system' -%}{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' -}}"
+    "{%- endif -%}{%- for m in messages -%}{%- if m.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant' + ('\\n' + m.content if m.content else '') -}}"
+    "{%- for c in m.tool_calls or [] -%}{%- set c = c.function if c.function is defined else c -%}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + c.name + '\", \"arguments\": ' + c.arguments | tojson + '}\\n</tool_call>' -}}"
+    "{%- endfor -%}{{- '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}{{- '<|im_start|>user\\n<tool_response>\\n' + m.content"
+    " + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")
 QWEN3 = (
     "{%- set ns = namespace(last_query=-1) -%}{%- for m in messages -%}"
     "{%- if m.role == 'user' and not m.content.startswith('<tool_response>') -%}"
@@ -178,6 +190,7 @@ FAMILIES = {  # template, special tokens, plain added tokens (as the real tokeni
     "smol": (SMOL, [], ["<think>", "</think>"]),
     "nemo": (NEMO, ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], []),
     "harmony": (HARMONY, ["<|start|>", "<|message|>", "<|end|>", "<|channel|>", "<|return|>", "<|call|>"], []),
+    "qwen25": (QWEN25, [], ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]),
     "qwen3": (QWEN3, [], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
                           "</tool_response>"]),
     "thinking": (THINKING, [], ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>",
@@ -244,6 +257,11 @@ CASES = {  # (family, case): (messages, template kwargs, tools, the trained text
          U("«u3»")], {}, None,
         ["<|channel|>final<|message|>«c1»<|end|>", "<|channel|>analysis<|message|>«r2»<|end|><|start|>assistant"
          ' to=functions.get<|channel|>commentary json<|message|>{"city": "«x1»"}<|call|>']),
+    ("qwen25", "default system, tools"): (
+        [U("«u1»"), A("", tool_calls=[call("get", json.dumps(ARGS))]), T("«t1»"), A("«c2»"), U("«u3»")], {}, None,
+        ['<tool_call>\n{"name": "get", "arguments": {"city": "«x1»"}}\n</tool_call><|im_end|>', "«c2»<|im_end|>"]),
+    ("qwen25", "system, multi"): (
+        [S("«s»"), U("«u1»"), A("«c1»"), U("«u2»"), A("«c2»")], {}, None, ["«c1»<|im_end|>", "«c2»<|im_end|>"]),
     ("qwen3", "reasoning, tools"): (
         [S("«s»"), U("«u1»"), A("«c1»", reasoning_content="«r1»"), U("«u2»"),
          A("", reasoning_content="«r2»", tool_calls=[call("get", ARGS), call("put", '{"k":"«x2»"}')]),
