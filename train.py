@@ -24,10 +24,12 @@ import transformers
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, check_target_shape, dflash2_loss,
                      sample_anchors, spec_generate)
-from memory import check_fits, format_plan, memory_plan, read_target_config
+from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint)
-from data import choose_mask_token, collate, load_rows, load_target, load_tokenizer, parse_template_kwargs, regenerate
+from data import collate, load_rows, parse_template_kwargs, read_conversations
+from regenerate import regenerate_file
+from target import choose_mask_token, is_gguf, load_config, load_target, load_tokenizer
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -193,7 +195,7 @@ def plan(args, device, log):
     """The memory plan of this run from the target's config alone (no weights, no data):
     --plan prints it; on a GPU a batch it says cannot fit stops the run here."""
     layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    estimate = memory_plan(read_target_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+    estimate = memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
                            args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib,
                            num_layers=args.num_layers, block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
                            conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
@@ -294,9 +296,10 @@ def offline_world(args, world, rank, log):
     log(f"offline world cached in {os.path.abspath(args.cache_dir)}")
 
 
-def build_drafter(args, tokenizer, target_config):
+def build_drafter(args, tokenizer, target_config, rows, log):
     """At the target's width, from the flags or --init-from; checked against the target's
-    shape before its weights load. The target's embedding and lm_head are borrowed, frozen."""
+    shape before its weights load. The target's embedding and lm_head are borrowed, frozen.
+    rows: the training rows, whose ids the mask token must avoid (None: not read, --dry-run)."""
     torch.manual_seed(args.seed)
     parts = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
@@ -307,7 +310,9 @@ def build_drafter(args, tokenizer, target_config):
         check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
                            target_config.vocab_size)
         return drafter
-    mask_token_id = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size)
+    used = None if rows is None else torch.cat(list(rows["input_ids"])).unique().tolist()
+    mask_token_id, why = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size, used)
+    log(f"mask token {mask_token_id}: {why}")
     layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
     return DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers, block_size=args.block_size,
                                                     mask_token_id=mask_token_id, **layer_ids, **parts))
@@ -318,8 +323,13 @@ def dry_run(drafter, args, log):
     engine loads it before any training; no data and no target weights are read."""
     path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
     save_export(drafter, path, getattr(torch, args.export_dtype))
+    served = args.target
+    if is_gguf(args.target):  # engines serve a drafter's target from the original model, not a GGUF file
+        served = "ORIGINAL_MODEL"
+        log(f"--target {args.target} is a GGUF file: in the commands below put the hub id or folder of the model "
+            "it was converted from in place of ORIGINAL_MODEL (the export fits the same weights in any format)")
     log(f"untrained export (B = {drafter.config.block_size}) in {path}; serve it with one of:")
-    for command in serving_commands(args.target, path, drafter.config.block_size):
+    for command in serving_commands(served, path, drafter.config.block_size):
         log(command)
     return {"export": path}
 
@@ -354,12 +364,12 @@ def train(args):
     # tokenizer, target config, drafter, data: every shape or data problem surfaces before the
     # (possibly many-GB) target weights load
     tokenizer = load_tokenizer(args.target, args.chat_template)
-    target_config = transformers.AutoConfig.from_pretrained(args.target)
-    drafter = build_drafter(args, tokenizer, target_config)
+    target_config = load_config(args.target)
     if args.dry_run:
-        return dry_run(drafter, args, log)
+        return dry_run(build_drafter(args, tokenizer, target_config, None, log), args, log)
     rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, drop_bad=args.drop_bad_rows, log=log,
                      template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+    drafter = build_drafter(args, tokenizer, target_config, rows, log)
     if len(rows) <= args.val_size:
         raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
     train_rows, val = rows.select(range(len(rows) - args.val_size)), rows.select(range(len(rows) - args.val_size, len(rows)))
@@ -454,6 +464,21 @@ def train(args):
         dist.destroy_process_group()
     log(f"done in {time.time() - t_start:.0f}s: export {os.path.abspath(os.path.join(args.out_dir, 'checkpoint'))}")
     return {**summary, "step": step, "losses": losses, "out_dir": args.out_dir, "target": args.target}
+
+
+def regenerate(args, log=print):
+    """--regenerate: the target answers every assistant turn of --data itself (on-policy data),
+    and the last user turn of a row that ends with one."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not (args.target and args.data):
+        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    read_conversations(args.data, args.data_split, log=log, need_answer=False)  # input errors before the weights
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
+                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
+                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
+    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
 
 
 if __name__ == "__main__":
