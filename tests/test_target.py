@@ -1,0 +1,343 @@
+"""Tests of target.py and of train.py on a real-model path: the mask-token rule, what --target
+may name, a tiny random Llama folder (tied embeddings, GQA, a ChatML template, a tokenizer with
+no mask token and no free embedding row) through regeneration, training, export and speculative
+decoding, and a tiny Llama GGUF file written here. Everything is built on the spot; no downloads,
+CPU only."""
+import json
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+import checkpoint
+import target
+import train
+from dflash2 import spec_generate, target_generate
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# ChatML as SmolLM2 writes it: no {% generation %} marks, the eos <|im_end|> ends every turn
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# after the 256 byte tokens, in this order: ids 256, 257, 258, ...
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<repo_name>", "<file_sep>", "<filename>"]
+PAD, IM_START, IM_END, REPO_NAME, FILE_SEP, FILENAME = range(256, 262)
+
+
+def byte_tokenizer(specials=SPECIALS, **roles):
+    """Every byte a token (ids 0-255, BPE with no merges), then `specials` as special tokens at
+    ids 256, 257, ...; `roles` names the pad/eos/mask/... tokens among them. No mask token
+    unless `roles` names one."""
+    byte_chars = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(byte_chars)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    roles = roles or dict(pad_token="<|endoftext|>", eos_token="<|im_end|>")
+    tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, chat_template=CHATML, **roles)
+    got = [tokenizer.convert_tokens_to_ids(s) for s in specials]
+    assert got == list(range(256, 256 + len(specials))), f"specials got ids {got}, the tests expect 256, 257, ..."
+    return tokenizer
+
+
+# -----------------------------------------------------------------------------
+# the mask token
+
+
+def test_mask_token_is_the_lowest_free_added_token_the_data_never_holds():
+    tokenizer = byte_tokenizer()
+    V = len(tokenizer)
+    assert V == 262, f"tokenizer of {V} tokens, expected 256 bytes + 6 specials"
+    # no data given: <|im_start|> is the lowest added token that is not pad/eos
+    got = target.choose_mask_token(None, tokenizer, V)
+    assert got[0] == IM_START, f"no data: chose {got}, expected {IM_START} <|im_start|>"
+    # the template's tokens occur in every row: the next free one is <repo_name>
+    mask, why = target.choose_mask_token(None, tokenizer, V, used_ids=[10, 97, PAD, IM_START, IM_END])
+    assert mask == REPO_NAME, f"mask token {mask}, expected {REPO_NAME} <repo_name>"
+    assert why == "'<repo_name>', the lowest-id added token that is not bos/eos/pad/unk and never occurs in the " \
+        "training rows", why
+    mask, _ = target.choose_mask_token(None, tokenizer, V, used_ids=[IM_START, IM_END, REPO_NAME])
+    assert mask == FILE_SEP, f"<repo_name> occurs in the data, mask token {mask}, expected {FILE_SEP} <file_sep>"
+    mask, _ = target.choose_mask_token(None, tokenizer, V, used_ids=[IM_START, REPO_NAME, FILE_SEP])
+    assert mask == FILENAME, f"mask token {mask}, expected {FILENAME} <filename>"
+    # a bos token is no candidate either
+    with_bos = byte_tokenizer(pad_token="<|endoftext|>", eos_token="<|im_end|>", bos_token="<|im_start|>")
+    got = target.choose_mask_token(None, with_bos, V)
+    assert got[0] == REPO_NAME, f"bos <|im_start|>: chose {got}, expected {REPO_NAME} <repo_name>"
+
+
+def test_mask_token_refused_when_every_candidate_occurs_in_the_data():
+    tokenizer = byte_tokenizer()
+    with pytest.raises(ValueError) as refused:
+        target.choose_mask_token(None, tokenizer, len(tokenizer), used_ids=[IM_START, REPO_NAME, FILE_SEP, FILENAME])
+    message = str(refused.value)
+    assert message.startswith("no free mask token:") and "pass --mask-token-id" in message, message
+    for i, name in zip(range(256, 262), SPECIALS):  # every candidate named, with its id
+        assert f"{i} {name!r}" in message, f"the refusal does not name candidate {i} {name!r}: {message}"
+
+
+def test_mask_token_flag_tokenizer_mask_and_free_rows():
+    tokenizer = byte_tokenizer()
+    V = len(tokenizer)
+    # a table padded past the vocabulary: its first row no token uses, even with data given
+    got = target.choose_mask_token(None, tokenizer, V + 10, used_ids=[IM_START])
+    assert got == (262, "the first embedding row no token uses"), f"table of {V + 10} rows: chose {got}, expected 262"
+    # --mask-token-id wins over everything, inside the table only
+    for flag in (0, V - 1):
+        got = target.choose_mask_token(flag, tokenizer, V)
+        assert got == (flag, "--mask-token-id"), f"--mask-token-id {flag}: chose {got}"
+    for bad in (-1, V):
+        with pytest.raises(ValueError, match=rf"^--mask-token-id {bad} is outside the target's embedding table "
+                                             rf"\[0, {V}\)$"):
+            target.choose_mask_token(bad, tokenizer, V)
+    # the tokenizer's own mask token wins over free rows and added tokens
+    masked = byte_tokenizer(SPECIALS + ["<|mask|>"], pad_token="<|endoftext|>", eos_token="<|im_end|>",
+                            mask_token="<|mask|>")
+    got = target.choose_mask_token(None, masked, 300, used_ids=[])
+    assert got == (262, "the tokenizer's mask token"), f"mask token <|mask|> 262: chose {got}"
+    # ... unless it lies outside the embedding table: then the added-token rule applies
+    got = target.choose_mask_token(None, masked, 262, used_ids=[IM_START])
+    assert got[0] == REPO_NAME, f"<|mask|> 262 outside a table of 262 rows: chose {got}, expected {REPO_NAME}"
+
+
+# -----------------------------------------------------------------------------
+# what --target names
+
+
+def test_source_of_a_gguf_file_a_folder_and_a_hub_id(tmp_path, monkeypatch):
+    (tmp_path / "model.Q4_1.GGUF").write_bytes(b"GGUF")
+    monkeypatch.chdir(tmp_path)  # a relative path: from_pretrained gets the file's folder in full
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    hub = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    for name, want in (("model.Q4_1.GGUF", (str(tmp_path.resolve()), {"gguf_file": "model.Q4_1.GGUF"})),
+                       ("model", ("model", {})), (hub, (hub, {}))):
+        got = target.source(name)
+        assert got == want, f"source({name!r}) = {got}, expected {want}"
+        assert target.is_gguf(name) == (name != "model" and name != hub), f"is_gguf({name!r})"
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"^--target \S+empty: the folder has no config.json, it is not a Hugging "
+                                         r"Face model folder$"):
+        target.source(str(tmp_path / "empty"))
+    (tmp_path / "weights.bin").write_bytes(b"\0")
+    with pytest.raises(ValueError, match=r"^--target \S+weights.bin: a file that is not .gguf; expected a model "
+                                         r"folder, a hub id or a GGUF file$"):
+        target.source(str(tmp_path / "weights.bin"))
+
+
+# -----------------------------------------------------------------------------
+# a tiny Llama folder, end to end
+
+PROMPTS = ["hi", "Continue this code:\nimport os\n", "what is 2 + 2?", "write a haiku", "x" * 30, "explain GQA"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A random Llama (4 layers, hidden 64, 4 query heads sharing 2 key-value heads, tied
+    embeddings) whose vocabulary is the tokenizer's, every embedding row a token, saved as a
+    model folder. <repo_name>, <file_sep> and <filename> never occur in chats: their rows are
+    shrunk so that the random target never writes them either."""
+    tokenizer = byte_tokenizer()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=None,
+                                      pad_token_id=PAD, eos_token_id=IM_END, initializer_range=0.2)
+    model = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[REPO_NAME:] *= 0.01
+        model.model.embed_tokens.weight[IM_END] *= 2.5  # some answers stop before the limit, others run to it
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr(), "embeddings are not tied"
+    path = tmp_path_factory.mktemp("llama") / "target"
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return {"path": str(path), "root": path.parent}
+
+
+def plain_greedy(model, tokenizer, messages, max_new_tokens):
+    """Argmax over full forwards of the unpadded prompt, no cache, until <|im_end|>. -> (text, stopped)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    new = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+        if tok == IM_END:
+            return tokenizer.decode(new), True
+        new.append(tok)
+    return tokenizer.decode(new), False
+
+
+@pytest.fixture(scope="module")
+def regenerated(llama):
+    prompts, out = llama["root"] / "prompts.jsonl", llama["root"] / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
+                                       "--regen-max-new-tokens", "12", "--regen-batch-size", "4"]), log=lambda *a: None)
+    return out
+
+
+def test_regenerate_answers_every_prompt_with_the_targets_greedy_continuation(llama, regenerated):
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama["path"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama["path"], dtype=torch.float32).eval()
+    rows = [json.loads(line)["messages"] for line in regenerated.read_text().splitlines(keepends=False) if line]
+    assert len(rows) == len(PROMPTS), f"{len(rows)} rows written, want {len(PROMPTS)}"
+    stopped = []
+    for prompt, row in zip(PROMPTS, rows):
+        assert row[0] == {"role": "user", "content": prompt} and len(row) == 2 and row[1]["role"] == "assistant", row
+        want, stop = plain_greedy(model, tokenizer, row[:1], 12)
+        assert row[1]["content"] == want, f"prompt {prompt!r}: regenerated {row[1]['content']!r}, plain greedy {want!r}"
+        stopped.append(stop)
+    assert any(stopped) and not all(stopped), f"the test target should stop early on some prompts only: {stopped}"
+
+
+def test_training_picks_the_lowest_free_added_token_and_exports_a_drafter_that_decodes_as_the_target(
+        llama, regenerated, tmp_path, capsys):
+    out = tmp_path / "out"
+    train.train(train.parse_args([
+        "--target", llama["path"], "--data", str(regenerated), "--out-dir", str(out),
+        "--cache-dir", str(tmp_path / "cache"), "--steps", "2", "--seq-len", "64", "--batch-size", "2",
+        "--block-size", "4", "--max-anchors", "4", "--val-size", "2", "--eval-prompts", "1", "--eval-new-tokens", "4",
+        "--selector-rank", "8", "--export-dtype", "float32", "--log-every", "1"]))
+    printed = capsys.readouterr().out
+    # the chats hold <|im_start|> and <|im_end|>, <|endoftext|> is the pad: <repo_name> is the lowest one left
+    want = (f"mask token {REPO_NAME}: '<repo_name>', the lowest-id added token that is not bos/eos/pad/unk and never "
+            "occurs in the training rows")
+    assert want in printed.splitlines(), f"no line {want!r} in the output:\n{printed}"
+    assert "step     2/2 | loss " in printed, printed
+
+    drafter = checkpoint.load_export(out / "checkpoint")
+    assert drafter.config.mask_token_id == REPO_NAME, f"exported mask token {drafter.config.mask_token_id}"
+    saved = torch.load(out / "resume.pt", weights_only=False)["model"]
+    reloaded = drafter.state_dict()
+    assert saved.keys() == reloaded.keys(), f"export tensors {sorted(reloaded)} != trained {sorted(saved)}"
+    for name, tensor in saved.items():
+        assert torch.equal(reloaded[name], tensor), \
+            f"{name}: the export reloads {(reloaded[name] - tensor).abs().max():.3g} away from the trained weights"
+
+    model = target.load_target(llama["path"], "auto", torch.device("cpu"))
+    tokenizer = target.load_tokenizer(llama["path"])
+    decoded = 0
+    for text in PROMPTS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=True,
+                                            add_generation_prompt=True, return_dict=True)["input_ids"]
+        plain, _ = target_generate(model, torch.tensor([ids]), 24, stop_token_ids=[IM_END])
+        spec, _ = spec_generate(drafter, model, torch.tensor([ids]), 24, stop_token_ids=[IM_END])
+        assert spec.tolist() == plain.tolist(), \
+            f"prompt {text!r}: spec_generate at T = 0\n{spec.tolist()}\ntarget_generate\n{plain.tolist()}"
+        decoded += len(plain)
+    assert decoded >= 48, f"only {decoded} tokens decoded over {len(PROMPTS)} prompts: too short a comparison"
+
+
+# -----------------------------------------------------------------------------
+# a tiny Llama GGUF file
+
+GGUF_SHAPE = dict(layers=2, hidden=32, heads=4, kv_heads=2, ffn=64)
+
+
+def llama_cpp_permute(w, n_head):
+    """The q/k row order llama.cpp's convert_hf_to_gguf.py writes (its `permute`): per head, the
+    two rotary halves interleaved."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.fixture(scope="module")
+def gguf_file(tmp_path_factory):
+    """A float32 llama GGUF: gpt2-style byte-level BPE (the 256 byte tokens, one merge 'Ġ t', three
+    control tokens), a ChatML template, random weights; -> (path, the Hugging Face-layout
+    tensors written, the vocabulary)."""
+    gguf = pytest.importorskip("gguf", reason="the gguf package writes the GGUF file (pip install gguf)")
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    s = GGUF_SHAPE
+    H, head_dim = s["hidden"], s["hidden"] // s["heads"]
+    byte_chars = bytes_to_unicode()
+    tokens = [byte_chars[b] for b in range(256)] + ["Ġt", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.F32.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(s["layers"])
+    w.add_context_length(256)
+    w.add_embedding_length(H)
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_vocab_size(len(tokens))
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.NORMAL] * 257 + [gguf.TokenType.CONTROL] * 3)
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(257)
+    w.add_eos_token_id(259)
+    w.add_chat_template(CHATML)
+    rng = np.random.default_rng(0)
+    rand = lambda *shape: (0.2 * rng.standard_normal(shape)).astype(np.float32)
+    hf = {"model.embed_tokens.weight": rand(len(tokens), H), "model.norm.weight": 1 + rand(H)}
+    w.add_tensor("token_embd.weight", hf["model.embed_tokens.weight"])
+    for i in range(s["layers"]):
+        layer = {"self_attn.q_proj": rand(H, H), "self_attn.k_proj": rand(s["kv_heads"] * head_dim, H),
+                 "self_attn.v_proj": rand(s["kv_heads"] * head_dim, H), "self_attn.o_proj": rand(H, H),
+                 "mlp.gate_proj": rand(s["ffn"], H), "mlp.up_proj": rand(s["ffn"], H),
+                 "mlp.down_proj": rand(H, s["ffn"]),
+                 "input_layernorm": 1 + rand(H), "post_attention_layernorm": 1 + rand(H)}
+        hf.update({f"model.layers.{i}.{k}.weight": v for k, v in layer.items()})
+        for name, key, n_head in (("attn_q", "self_attn.q_proj", s["heads"]),
+                                  ("attn_k", "self_attn.k_proj", s["kv_heads"])):
+            w.add_tensor(f"blk.{i}.{name}.weight", llama_cpp_permute(layer[key], n_head))
+        for name, key in (("attn_v", "self_attn.v_proj"), ("attn_output", "self_attn.o_proj"),
+                          ("ffn_gate", "mlp.gate_proj"), ("ffn_up", "mlp.up_proj"), ("ffn_down", "mlp.down_proj"),
+                          ("attn_norm", "input_layernorm"), ("ffn_norm", "post_attention_layernorm")):
+            w.add_tensor(f"blk.{i}.{name}.weight", layer[key])
+    w.add_tensor("output_norm.weight", hf["model.norm.weight"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path), hf, tokens
+
+
+def test_gguf_target_loads_as_the_llama_written(gguf_file):
+    path, hf, tokens = gguf_file
+    s = GGUF_SHAPE
+    config = target.load_config(path)
+    got = (config.model_type, config.num_hidden_layers, config.hidden_size, config.num_attention_heads,
+           config.num_key_value_heads, config.intermediate_size, config.vocab_size)
+    assert got == ("llama", s["layers"], s["hidden"], s["heads"], s["kv_heads"], s["ffn"], len(tokens)), \
+        f"config from the GGUF header (type, layers, hidden, heads, kv heads, ffn, vocab) {got}"
+    tokenizer = target.load_tokenizer(path)
+    ids = tokenizer("<|im_start|>user\nat tea", add_special_tokens=False)["input_ids"]
+    # bytes, except ' t' (the merge) and the control token kept whole
+    assert ids == [258, 117, 115, 101, 114, 10, 97, 116, 256, 101, 97], f"encoded {ids}"
+    assert tokenizer.decode(ids) == "<|im_start|>user\nat tea", tokenizer.decode(ids)
+    assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>"), (tokenizer.eos_token,
+                                                                                         tokenizer.pad_token)
+    model = target.load_target(path, "auto", torch.device("cpu"))
+    assert type(model) is transformers.LlamaForCausalLM, type(model)
+    assert model.dtype == torch.float32 and not any(p.requires_grad for p in model.parameters())
+    state = model.state_dict()
+    for name, tensor in hf.items():  # q and k too: transformers undoes llama.cpp's permutation
+        diff = (state[name] - torch.from_numpy(tensor)).abs().max()
+        assert diff == 0, f"{name}: loaded {diff:.3g} away from the tensor written"
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"]), "no output.weight: lm_head is tied"
+
+
+def test_gguf_dry_run_writes_an_export_and_serving_commands_for_the_original_model(gguf_file, tmp_path, capsys):
+    path, _, tokens = gguf_file
+    out = tmp_path / "out"
+    result = train.train(train.parse_args(["--target", path, "--dry-run", "--out-dir", str(out),
+                                           "--cache-dir", str(tmp_path / "cache")]))
+    printed = capsys.readouterr().out
+    assert (out / "checkpoint" / "config.json").is_file(), f"no export in {out}: {result}"
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    assert (config["hidden_size"], config["vocab_size"]) == (GGUF_SHAPE["hidden"], len(tokens)), config
+    # bos <|endoftext|> and eos <|im_end|> (also the pad) are out; no data read: <|im_start|> is the first left
+    assert config["dflash_config"]["mask_token_id"] == 258, config["dflash_config"]
+    commands = [line for line in printed.splitlines()
+                if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
+    assert len(commands) == 3, f"serving commands printed:\n{printed}"
+    assert all("ORIGINAL_MODEL" in c and path not in c for c in commands), "\n".join(commands)
+    assert "put the hub id or folder of the model it was converted from in place of ORIGINAL_MODEL" in printed, printed
+    assert not (tmp_path / "cache").exists(), "a dry run on a GGUF built the offline world"
