@@ -310,7 +310,12 @@ def build_drafter(args, tokenizer, target_config, rows, log):
         check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
                            target_config.vocab_size)
         return drafter
-    used = None if rows is None else torch.cat(list(rows["input_ids"])).unique().tolist()
+    used = None
+    if rows is not None:  # the ids the training rows hold, marked in one pass
+        seen = torch.zeros(max(target_config.vocab_size, len(tokenizer)), dtype=torch.bool)
+        for ids in rows["input_ids"]:
+            seen[ids] = True
+        used = seen.nonzero()[:, 0].tolist()
     mask_token_id, why = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size, used)
     log(f"mask token {mask_token_id}: {why}")
     layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
