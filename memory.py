@@ -31,16 +31,6 @@ DRAFTER_BYTES_PER_PARAM = 16
 LOSS_TENSORS_PER_SLOT = 7
 
 
-def read_target_config(path):
-    """The target's transformers config (config.json of a folder, or a hub id already in
-    the local cache); no weights are read."""
-    from transformers import AutoConfig
-    try:
-        return AutoConfig.from_pretrained(path)
-    except Exception as e:  # missing folder, malformed JSON, unknown model type, not cached
-        raise ValueError(f"cannot read the target's config at {path!r}: {e}") from e
-
-
 def drafter_config(target_config, **overrides):
     """The drafter a run would build on this target (mask token 0: it changes no size)."""
     return dflash2.DFlash2Config.from_target(target_config, **{"mask_token_id": 0, **overrides})

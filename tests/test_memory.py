@@ -10,6 +10,7 @@ from torch.utils._pytree import tree_leaves
 
 import dflash2
 import memory
+from target import load_config
 from bench import cost
 from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
@@ -128,15 +129,15 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
         memory.memory_plan(config, 3072, 0)
     missing = tmp_path / "no-such-target"
     with pytest.raises(ValueError, match=f"cannot read the target's config at '{missing}'"):
-        memory.read_target_config(str(missing))
+        load_config(str(missing))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=f"cannot read the target's config at '{broken}'"):
-        memory.read_target_config(str(broken))
+        load_config(str(broken))
     small.save_pretrained(tmp_path / "ok")
-    assert memory.read_target_config(str(tmp_path / "ok")).hidden_size == 32, "a saved config did not read back"
-    text = memory.format_plan(memory.memory_plan(memory.read_target_config(str(tmp_path / "ok")), 64, 8,
+    assert load_config(str(tmp_path / "ok")).hidden_size == 32, "a saved config did not read back"
+    text = memory.format_plan(memory.memory_plan(load_config(str(tmp_path / "ok")), 64, 8,
                                                  gpu_memory_gib=1))
     assert "largest batch in 1 GiB:" in text, f"the saved config gave no plan: {text}"
 
