@@ -211,7 +211,8 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
     """Seed by seed, each of args.drafters: trained by train.py's code (the base flags plus
     its own), its validation metrics measured, and the prompts decoded at every setting;
     a drafter with a selector also through its unary path (only those named in unary_paths,
-    if given). After each seed the report so far goes to the file so_far."""
+    if given). The report so far goes to the file so_far after each drafter of the first
+    seed, then after each seed."""
     import train
     targs = train.parse_args(base)
     for seed in range(args.seeds):
@@ -242,10 +243,11 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
                         spec_eval(d, target, prompts, args, setting, tokenizer.eos_token_id,
                                   lambda i, eta: log(f"decode | {path_label} at {label(setting)}: {i}/{len(prompts)} "
                                                      f"prompts | eta {int(eta // 60)}m{int(eta % 60):02d}s")))
-        results["seeds"] = seed + 1
-        summarize(results)
-        with open(so_far, "w") as f:
-            f.write(markdown(results) + "\n")
+            if seed == 0 or name == args.drafters[-1]:  # every variant has as many seeds: a report so far
+                results["seeds"] = seed + 1
+                summarize(results)
+                with open(so_far, "w") as f:
+                    f.write(markdown(results) + "\n")
     return results
 
 

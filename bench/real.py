@@ -154,7 +154,7 @@ def parse_args(argv=None):
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
     p.add_argument("--train-flags", default="--steps 120 --batch-size 8 --seq-len 384 --max-anchors 32",
                    help="train.py flags for every drafter")
-    p.add_argument("--eval-prompts", type=int, default=48, help="HumanEval prompts for spec_generate (the first n)")
+    p.add_argument("--eval-prompts", type=int, default=40, help="HumanEval prompts for spec_generate (the first n)")
     p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
