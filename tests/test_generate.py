@@ -393,6 +393,16 @@ def test_sampling_probs_matches_brute_force(temperature, top_k, top_p):
     assert err < 1e-12, f"sampling_probs(T={temperature}, top_k={top_k}, top_p={top_p}) differs from brute force by {err:.3g}"
 
 
+@pytest.mark.parametrize("top_p, kept", [(0.25, 1), (0.5, 2), (0.75, 3), (1.0, 4)])
+def test_top_p_at_an_exact_tie_keeps_the_tokens_whose_mass_before_is_below_it(top_p, kept):
+    """ALGORITHM.md §4: a token stays iff the mass before it is < top_p, ties in id order. Four
+    equal logits put that mass at exactly 0, 1/4, 1/2, 3/4 (binary fractions, no rounding), so
+    top-p 1/2 keeps the first two."""
+    p = sampling_probs(torch.zeros(4, dtype=torch.float64), 1.0, top_p=top_p).tolist()
+    want = [1 / kept] * kept + [0.0] * (4 - kept)
+    assert p == want, f"top-p {top_p} over four equal logits gives {p}, want {want}"
+
+
 # -----------------------------------------------------------------------------
 # the whole loop samples the target's law (chi-square over the first 3 tokens)
 
