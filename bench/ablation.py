@@ -196,10 +196,10 @@ def ablation(args, settings):
 
 def empty_results(args, base, settings, target, tokenizer, val, prompts):
     """What a run records before any drafter: its sizes, the target's autoregressive speed on
-    (up to 16 of) the prompts, and its entropy on the validation answers at T = 1 and at the
+    (up to 8 of) the prompts, and its entropy on the validation answers at T = 1 and at the
     write-up's setting."""
     baseline = [dflash2.target_generate(target, p, args.eval_tokens, stop_token_ids=[tokenizer.eos_token_id])[1]
-                for p in prompts[:16]]
+                for p in prompts[:8]]
     return {"prompts": len(prompts), "max_new_tokens": args.eval_tokens, "seeds": 0,
             "settings": [label(s) for s in settings], "train_flags": base[2:], "variants": {},
             "autoregressive_tokens_per_s": sum(s.new_tokens for s in baseline) / sum(s.decode_seconds for s in baseline),

@@ -152,7 +152,7 @@ def parse_args(argv=None):
     p.add_argument("--seeds", type=int, default=1, help="training seeds per drafter")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=REAL_DRAFTERS,
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
-    p.add_argument("--train-flags", default="--steps 120 --batch-size 8 --seq-len 384 --max-anchors 32",
+    p.add_argument("--train-flags", default="--steps 80 --batch-size 8 --seq-len 384 --max-anchors 32",
                    help="train.py flags for every drafter")
     p.add_argument("--eval-prompts", type=int, default=40, help="HumanEval prompts for spec_generate (the first n)")
     p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
