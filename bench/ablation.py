@@ -218,7 +218,8 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
     for seed in range(args.seeds):
         for name in args.drafters:
             out = os.path.join(args.out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
-            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name]])
+            resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
+            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume])
             t0 = time.time()
             train.train(run_args)
             train_seconds = time.time() - t0

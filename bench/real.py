@@ -20,6 +20,8 @@ setting (the best label option of the tiny world) are trained by train.py's code
 same flags, data, steps and seed; each decodes the same HumanEval prompts with spec_generate
 at every sampling setting (DFlash2 also through its unary path, the same weights with the
 selector off). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+A killed run started again goes on: the world from its cache, each drafter from its
+resume.pt (a finished one is not trained again).
 """
 import argparse
 import ast
@@ -154,12 +156,12 @@ def parse_args(argv=None):
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
     p.add_argument("--train-flags", default="--steps 80 --batch-size 8 --seq-len 384 --max-anchors 32",
                    help="train.py flags for every drafter")
-    p.add_argument("--eval-prompts", type=int, default=40, help="HumanEval prompts for spec_generate (the first n)")
-    p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
+    p.add_argument("--eval-prompts", type=int, default=16, help="HumanEval prompts for spec_generate (the first n)")
+    p.add_argument("--eval-tokens", type=int, default=48, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
                    "'0;1;1,0.95,20')")
-    p.add_argument("--val-blocks", type=int, default=512, help="validation blocks for the expected-AL metrics")
+    p.add_argument("--val-blocks", type=int, default=256, help="validation blocks for the expected-AL metrics")
     return p.parse_args(argv)
 
 
