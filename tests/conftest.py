@@ -1,6 +1,7 @@
 """Shared builders and fixtures of the tests in this folder: tiny random Qwen3 targets built
 from a transformers config (nothing downloaded), random DFlash2 drafters for them, the
-single-thread fixture that tiny models need on a busy CPU, and the chi-square test of a sampler's law."""
+single-thread fixture that tiny models need on a busy CPU, the chi-square test of a sampler's law, and
+the plain greedy loop that regeneration is checked against."""
 import numpy as np
 import pytest
 import torch
@@ -86,3 +87,18 @@ def replace_q(monkeypatch, drafter, q_of):
         path, cand, _ = propose(h, unary, anchor, temperature, generator, **filters)
         return path, cand, q_of(unary, cand, temperature)
     monkeypatch.setattr(drafter, "propose", mutant)
+
+
+def plain_greedy(model, tokenizer, messages, max_new_tokens):
+    """The target's greedy answer to a chat: argmax over full forwards of the unpadded prompt
+    (no cache, no batch) until the tokenizer's eos. -> (text, stopped at the eos)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
+    new = []
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
+        if tok == tokenizer.eos_token_id:
+            return tokenizer.decode(new), True
+        new.append(tok)
+    return tokenizer.decode(new), False

@@ -9,6 +9,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import regenerate
 import tiny_world
+from conftest import plain_greedy
 
 @pytest.fixture(scope="module")
 def target():
@@ -27,19 +28,6 @@ def target():
     yield model, tokenizer
     torch.set_num_threads(threads)
 
-
-def plain_greedy(model, tokenizer, messages, max_new_tokens):
-    """Argmax loop over full forwards of the unpadded prompt: no cache, no batch. -> (text, stopped)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
-    new = []
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
-        if tok == tokenizer.eos_token_id:
-            return tokenizer.decode(new), True
-        new.append(tok)
-    return tokenizer.decode(new), False
 
 
 CHATS = [

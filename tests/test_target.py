@@ -14,6 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import checkpoint
 import target
 import train
+from conftest import plain_greedy
 from dflash2 import spec_generate, target_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -156,19 +157,6 @@ def llama(tmp_path_factory):
     tokenizer.save_pretrained(path)
     return {"path": str(path), "root": path.parent}
 
-
-def plain_greedy(model, tokenizer, messages, max_new_tokens):
-    """Argmax over full forwards of the unpadded prompt, no cache, until <|im_end|>. -> (text, stopped)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
-    new = []
-    for _ in range(max_new_tokens):
-        with torch.no_grad():
-            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
-        if tok == IM_END:
-            return tokenizer.decode(new), True
-        new.append(tok)
-    return tokenizer.decode(new), False
 
 
 @pytest.fixture(scope="module")
