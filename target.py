@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 import transformers
 
+from data import load_chat_template
+
 
 def source(target):
     """--target -> (what from_pretrained reads, its keyword arguments). A local folder must be a
@@ -35,7 +37,6 @@ def is_gguf(target):
 
 def load_tokenizer(target, chat_template=None):
     """The target's tokenizer, with --chat-template's text if given and a pad token."""
-    from data import load_chat_template
     path, kw = source(target)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, **kw)
     if chat_template:
