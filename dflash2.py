@@ -557,6 +557,7 @@ class LossConfig:
     soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
     accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
     chunk_size: int | None = None        # slots whose (slots, V) logits live at once, recomputed in backward
+    fused: bool = True                   # the unary term from TargetLoss; False: autograd through its formula
 
     def __post_init__(self):
         at = {name: getattr(self, name) for name in ("soft_labels_at", "accept_at")}
@@ -576,7 +577,49 @@ class LossConfig:
                 raise ValueError(sentence)
 
 
-def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None):
+class TargetLoss(torch.autograd.Function):
+    """slot_losses' unary term in few passes over V, with its gradient written out:
+
+        kl = Σ_v p_v·(r_v − z_v) − lse(r) + lse(z),   ce = lse(z) − z_y,   ∂/∂z = softmax(z) − π
+
+    z / r (n, V) drafter / target logits (finite: lm_head outputs), p = softmax(r), π = p (kl) or
+    one-hot(y) (ce), y = argmax r. lse(x) = max x − log softmax(x)[argmax x], exact since that
+    softmax entry is at least 1/V. Six passes forward and two in place backward, against about ten
+    each way for autograd through the formula. -> (term (n,), p (n, V) or None for ce, y (n,))."""
+
+    @staticmethod
+    def forward(ctx, z, r, hard):
+        with torch.autocast(z.device.type, enabled=False):  # bmm would run in bf16 under autocast
+            return TargetLoss._forward(ctx, z, r, hard)
+
+    @staticmethod
+    def _forward(ctx, z, r, hard):
+        r_max, label = r.max(-1, keepdim=True)
+        q = torch.softmax(z, dim=-1)
+        z_max, z_arg = z.max(-1, keepdim=True)
+        lse_z = z_max - q.gather(-1, z_arg).log()
+        if hard:
+            term, p = lse_z - z.gather(-1, label), None
+        else:
+            p = torch.softmax(r, dim=-1)
+            lse_r = r_max - p.gather(-1, label).log()
+            dot = lambda a, b: torch.bmm(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)  # Σ_v a_v·b_v, one read each
+            term = dot(p, r) - dot(p, z) - lse_r + lse_z
+        ctx.save_for_backward(q, p if p is not None else label)
+        ctx.hard = hard
+        outputs = (term.squeeze(-1), p, label.squeeze(-1))
+        ctx.mark_non_differentiable(*(x for x in outputs[1:] if x is not None))
+        return outputs
+
+    @staticmethod
+    def backward(ctx, grad_term, *_):
+        q, target = ctx.saved_tensors  # q is not needed again: the gradient is built in its memory
+        grad = q.scatter_add_(-1, target, -torch.ones_like(target, dtype=q.dtype)) if ctx.hard else q.sub_(target)
+        return grad.mul_(grad_term[:, None]), None, None
+
+
+def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None,
+                fused=False):
     """The §6 terms of each slot, for slots laid out any way (...):
 
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
@@ -587,18 +630,24 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
 
     h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
     predecessor ids -> (unary term, selector term, Σ_{c∈C} π_c: the slot's selector weight),
-    each (...); the last two are None without a selector."""
-    logq = F.log_softmax(unary, dim=-1)
-    label = ref.argmax(-1)
+    each (...); the last two are None without a selector. fused: the unary term from TargetLoss
+    (the same values in fewer passes over V, for finite logits); the lines below define it."""
     soft = selector is not None and selector_labels == "soft"
-    p = F.softmax(ref, dim=-1) if loss_type == "kl" or soft else None  # (..., V): only where a term needs it
-    p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
-    if loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
-        term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
+    if fused:
+        term, p, label = TargetLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2), loss_type == "ce")
+        term, label = term.view(unary.shape[:-1]), label.view(unary.shape[:-1])
+        p = p.view(ref.shape) if p is not None else F.softmax(ref, dim=-1) if soft else None
     else:
-        term = -logq.gather(-1, label[..., None]).squeeze(-1)
+        logq = F.log_softmax(unary, dim=-1)
+        label = ref.argmax(-1)
+        p = F.softmax(ref, dim=-1) if loss_type == "kl" or soft else None  # (..., V): only where a term needs it
+        if loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
+            term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
+        else:
+            term = -logq.gather(-1, label[..., None]).squeeze(-1)
     if selector is None:
         return term, None, None
+    p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
     pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
     log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
@@ -609,7 +658,7 @@ def weighted_sums(selector, lm_head, cfg, h, ref_h, prev, w):
     """Σ w·unary term (with a selector also Σ w·selector term, Σ w·selector weight) over n slots:
     h / ref_h (n, H) drafter / target final hidden states, prev / w (n,). n bounds the memory."""
     term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
-                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at)
+                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, cfg.fused)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
@@ -626,18 +675,17 @@ def block_slots(anchors, anchor_valid, loss_mask, block_size):
     return counted, t_in - 1
 
 
-def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
-                 cfg=LossConfig(), with_metrics=True, forward=None, weight_sums=None):
-    """L = L_unary + α·L_sel over the packed blocks of a batch; returns (loss, stats).
+def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
+              cfg=LossConfig(), with_metrics=True):
+    """The weighted sums the §6 loss divides, over the counted slots of a batch's packed blocks
+    (block_slots) with slot_losses' terms and w_k = exp(-(k-1)/γ). -> (sums, metrics):
 
-    Over the counted slots (block_slots), with slot_losses' terms: L_unary = Σ w·term / Σ w,
-    w_k = exp(-(k-1)/γ); L_sel = Σ w·sel / Σ w·m, m the labels' mass on the top-K (argmax
-    labels: 1[y ∈ C], so slots the selector could never get right are left out). The target's
-    logits are lm_head(hidden_states[-1]): HF's last hidden state is after the final norm.
-    with_metrics: also the §6 metrics, every stat a float (host syncs); training steps pass
-    False and get the loss terms as detached tensors. Data parallel: `forward` is the wrapper
-    (DistributedDataParallel) that runs the drafter, `weight_sums` maps this batch's (Σw unary,
-    Σw selector) to their mean over ranks, so that the averaged gradients are the global batch's."""
+        unary = Σ w·term, unary_weight = Σ w;  with a selector also  selector = Σ w·sel,
+        selector_weight = Σ w·m,  m the labels' mass on the top-K (argmax labels: 1[y ∈ C])
+
+    hidden_states: the target's HF hidden states; only those of target_layer_ids (index l + 1)
+    and the last are read. The target's logits are lm_head(hidden_states[-1]): HF's last hidden
+    state is after the final norm. with_metrics: also the §6 metrics as floats (host syncs)."""
     c = drafter.config
     B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
     embed, lm_head = check_target(c, target)
@@ -646,36 +694,59 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
-    h = (forward or drafter)(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b,N,B-1,H)
+    h = drafter(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
 
     counted, src = block_slots(anchors, anchor_valid, loss_mask, B)
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
     prev, ref_h = input_ids[rows, src], hidden_states[-1][rows, src]     # (b, N, B-1), (b, N, B-1, H)
     gamma = default_gamma(B) if cfg.gamma is None else cfg.gamma
-    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=torch.float) / gamma) * counted
+    w_dtype = torch.promote_types(h.dtype, torch.float32)  # the logits' dtype: float64 stays float64
+    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=w_dtype) / gamma) * counted
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, cfg)
+    chunk_sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, cfg)
     n, parts = cfg.chunk_size or max(1, len(idx)), []
     for i in range(0, max(1, len(idx)), n):
         chunk = [x[i:i + n] for x in slots]
-        parts.append(torch.utils.checkpoint.checkpoint(sums, *chunk, use_reentrant=False) if cfg.chunk_size
-                     else sums(*chunk))
+        parts.append(torch.utils.checkpoint.checkpoint(chunk_sums, *chunk, use_reentrant=False) if cfg.chunk_size
+                     else chunk_sums(*chunk))
     totals = [sum(p) for p in zip(*parts)]
-    w_unary, w_selector = (weight_sums or (lambda *ws: ws))(w.sum(), totals[2] if c.selector_top_k else w.sum())
-    loss = unary_loss = totals[0] / w_unary.clamp(min=1e-9)
-    stats = {"unary_loss": unary_loss.detach()}
+    sums = {"unary": totals[0], "unary_weight": w.sum()}
     if c.selector_top_k:
-        selector_loss = totals[1] / w_selector.clamp(min=1e-9)
-        loss = loss + cfg.alpha * selector_loss
-        stats["selector_loss"] = selector_loss.detach()
-    stats["loss"] = loss.detach()
+        sums.update(selector=totals[1], selector_weight=totals[2])
+    metrics = {}
     if with_metrics:
         with torch.no_grad():
-            stats.update(_metrics(drafter, lm_head, h, ref_h, prev, counted, cfg.chunk_size,
-                                  cfg.accept_at or (1.0, 1.0, 0)))
-        stats = {k: v.item() if torch.is_tensor(v) else v for k, v in stats.items()}
+            metrics = _metrics(drafter, lm_head, h, ref_h, prev, counted, cfg.chunk_size, cfg.accept_at or (1.0, 1.0, 0))
+    return sums, metrics
+
+
+def loss_from_sums(sums, alpha, weights=None):
+    """L = L_unary + α·L_sel = unary / unary_weight + α·selector / selector_weight (no selector:
+    L_unary alone; a sum over no slot is 0 / 1e-9 = 0). weights: the two denominators to use
+    instead of the batch's own: under data parallel each rank divides by the ranks' mean, so the
+    mean of the ranks' gradients is the global batch's. -> (L, {loss, unary_loss, selector_loss} detached)."""
+    w_unary, w_selector = (sums["unary_weight"], sums.get("selector_weight")) if weights is None else weights
+    loss = unary_loss = sums["unary"] / w_unary.clamp(min=1e-9)
+    stats = {"unary_loss": unary_loss.detach()}
+    if "selector" in sums:
+        selector_loss = sums["selector"] / w_selector.clamp(min=1e-9)
+        loss = loss + alpha * selector_loss
+        stats["selector_loss"] = selector_loss.detach()
+    return loss, {**stats, "loss": loss.detach()}
+
+
+def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
+                 cfg=LossConfig(), with_metrics=True):
+    """L = L_unary + α·L_sel over the packed blocks of a batch (loss_sums, loss_from_sums);
+    returns (loss, stats). with_metrics: also the §6 metrics, every stat a float (host syncs);
+    training steps pass False and get the loss terms as detached tensors."""
+    sums, metrics = loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors,
+                              anchor_valid, cfg, with_metrics)
+    loss, stats = loss_from_sums(sums, cfg.alpha)
+    if with_metrics:
+        stats = {k: v.item() for k, v in stats.items()} | metrics
     return loss, stats
 
 

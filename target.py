@@ -4,12 +4,17 @@ mask token the drafter's blocks are filled with (ALGORITHM.md §1).
 
     tokenizer = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")    # a hub id or a model folder
     model = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))   # or a GGUF file
+    features = TargetFeatures(key, layer_ids, num_layers)   # each row's features once (--cache-target-features)
 
 A GGUF file is read by transformers itself (the `gguf` package), dequantized to the dtype
 asked for: the file's folder and name go to `from_pretrained(folder, gguf_file=name)`.
 """
+import hashlib
+import json
+import os
 from pathlib import Path
 
+import safetensors.torch
 import torch
 import transformers
 
@@ -55,13 +60,36 @@ def load_config(target):
         raise ValueError(f"cannot read the target's config at {target!r}: {e}") from e
 
 
+def native_bf16_cpu():
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX512-BF16). There a bf16
+    product runs several times faster than a float32 one; elsewhere torch emulates bf16, slower."""
+    return any(getattr(torch.cpu, check, lambda: False)() for check in ("_is_amx_tile_supported",
+                                                                        "_is_avx512_bf16_supported"))
+
+
+def training_dtype(flag, device):
+    """--dtype -> (the target's dtype for training and batched generation, why). Below float32
+    the drafter's step also runs under bf16 autocast (its weights and optimizer stay float32)."""
+    if flag != "auto":
+        return getattr(torch, flag), f"--dtype {flag}"
+    if device.type == "cuda":
+        return torch.bfloat16, "a GPU"
+    if native_bf16_cpu():
+        return torch.bfloat16, "this CPU multiplies bf16 in hardware (AMX or AVX512-BF16)"
+    return torch.float32, "this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated and slower"
+
+
+def decoding_dtype(device, dtype):
+    """The target's dtype for decoding one sequence: one token at a time is bound by reading the
+    weights, and on a CPU a float32 step beats a bf16 one even with AMX (bench/RESULTS.md)."""
+    return torch.float32 if device.type == "cpu" else dtype
+
+
 def load_target(target, dtype_flag, device):
-    """Frozen, in bfloat16 on GPU and float32 on CPU unless --dtype says otherwise."""
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if dtype_flag == "auto" else \
-        getattr(torch, dtype_flag)
+    """Frozen, in training_dtype(dtype_flag, device)."""
     path, kw = source(target)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kw).to(device)
-    return model.eval().requires_grad_(False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0], **kw)
+    return model.to(device).eval().requires_grad_(False)
 
 
 # -----------------------------------------------------------------------------
@@ -97,3 +125,94 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
                          f"(candidates: {names}); pass --mask-token-id with an id the data never holds")
     return free[0], (f"{tokenizer.convert_ids_to_tokens(free[0])!r}, the lowest-id added token that is not "
                      "bos/eos/pad/unk" + (" and never occurs in the training rows" if used_ids is not None else ""))
+
+
+# -----------------------------------------------------------------------------
+# the target's features, computed once per row
+
+
+def token_digest(ids):
+    return hashlib.sha256(ids.cpu().long().numpy().tobytes()).hexdigest()
+
+
+class TargetFeatures:
+    """What the loss reads of the frozen target (the context layers' and the last hidden states)
+    for each training row, computed at the row's first use and reused in later epochs: in memory,
+    or with `folder` one safetensors file per row there (a killed run's files are reused).
+
+    A cache belongs to one target and one set of rows: `key` (the target's weights fingerprint,
+    the layer ids, the dtype) is checked against the folder's, and each row's tokens against
+    those its features were computed for; a mismatch is refused, never reused."""
+
+    def __init__(self, key, layer_ids, num_target_layers, folder=None):
+        self.layer_ids, self.num_states, self.folder, self.rows = list(layer_ids), num_target_layers + 1, folder, {}
+        if folder is None:
+            return
+        os.makedirs(folder, exist_ok=True)
+        key_file = Path(folder) / "key.json"
+        if key_file.is_file():
+            held = json.loads(key_file.read_text())
+            if held != key:
+                raise ValueError(f"--cache-target-features: {folder} holds the features of {held}, not of this run's "
+                                 f"{key}; delete the folder or choose another --out-dir")
+        else:
+            tmp = key_file.with_name(f"key.json.tmp{os.getpid()}")
+            tmp.write_text(json.dumps(key))
+            os.replace(tmp, key_file)
+
+    @staticmethod
+    def row_bytes(num_tokens, num_layer_ids, hidden_size, dtype):
+        return num_tokens * (num_layer_ids + 1) * hidden_size * dtype.itemsize
+
+    def _path(self, row):
+        return Path(self.folder) / f"row{row:08d}.safetensors"
+
+    def _get(self, row, ids):
+        """-> the row's (n, (nf + 1)·H) features, or None when not computed yet."""
+        if self.folder is None:
+            held = self.rows.get(row)
+        elif self._path(row).is_file():
+            with safetensors.safe_open(self._path(row), "pt") as f:
+                held = f.metadata()["tokens"], f.get_tensor("features")
+        else:
+            held = None
+        if held is None:
+            return None
+        if held[0] != token_digest(ids):
+            raise ValueError(f"--cache-target-features: training row {row} holds other tokens than the ones its cached "
+                             "features were computed for; the cache belongs to other data")
+        return held[1]
+
+    def _put(self, row, ids, features):
+        if self.folder is None:
+            self.rows[row] = token_digest(ids), features.clone()
+            return
+        tmp = self._path(row).with_name(f"{self._path(row).name}.tmp{os.getpid()}")
+        safetensors.torch.save_file({"features": features.contiguous()}, tmp, metadata={"tokens": token_digest(ids)})
+        os.replace(tmp, self._path(row))
+
+    def hidden_states(self, target, ids, attention_mask, rows):
+        """The target's hidden states of a right-padded batch (ids, attention_mask (b, S)) whose
+        rows are the training rows `rows`, as dflash2.loss_sums reads them: L + 1 entries, only the
+        layer ids' (index l + 1) and the last filled, zero past each row's length (masked there).
+        One target pass over the batch if any of its rows is not cached yet."""
+        lengths = attention_mask.sum(1).tolist()
+        held = [self._get(r, ids[i, :n]) for i, (r, n) in enumerate(zip(rows, lengths))]
+        if any(h is None for h in held):
+            with torch.no_grad():
+                out = target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
+            read = [out.hidden_states[l + 1] for l in self.layer_ids] + [out.hidden_states[-1]]
+            for i, (r, n) in enumerate(zip(rows, lengths)):
+                if held[i] is None:
+                    self._put(r, ids[i, :n], torch.cat([x[i, :n] for x in read], -1).cpu())
+        else:
+            b, S = ids.shape
+            features = torch.zeros(b, S, held[0].shape[-1], dtype=held[0].dtype, device=ids.device)
+            for i, (h, n) in enumerate(zip(held, lengths)):
+                features[i, :n] = h
+            read = features.chunk(len(self.layer_ids) + 1, dim=-1)
+        states = [None] * self.num_states
+        for l, x in zip(self.layer_ids, read):
+            states[l + 1] = x
+        states[-1] = read[-1]
+        return states

@@ -1064,6 +1064,41 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
                      "fp32 edge scores, chunk_size 5", 1e-6)
 
 
+def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
+    """LossConfig.fused (TargetLoss: the KL / CE and their gradient softmax(z) - π written out)
+    against autograd through slot_losses' formula: loss, stats and every gradient, in float64
+    to 1e-10, with and without the selector, chunked and not, argmax and soft labels, soft
+    labels at a sampling setting; then TargetLoss's value and gradient against a loop over V."""
+    for selector_top_k in (0, WIDE_K):
+        drafter = make_drafter(randomize=True, selector_top_k=selector_top_k)
+        if selector_top_k:
+            monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
+        for kw in (dict(loss_type="kl"), dict(loss_type="ce"), dict(loss_type="kl", selector_labels="soft"),
+                   dict(loss_type="ce", selector_labels="soft", soft_labels_at=SERVED)):
+            if not selector_top_k and "selector_labels" in kw:
+                continue
+            want = loss_and_grads(drafter, target, batch, fused=False, **kw)
+            for chunk in (None, 5):
+                assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,
+                                 f"fused, K = {selector_top_k}, {kw}, chunk_size {chunk}", 1e-10)
+    g = torch.Generator().manual_seed(1)
+    z = (4 * torch.randn(3, V, generator=g, dtype=torch.float64)).requires_grad_()
+    r, weight = 4 * torch.randn(3, V, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)
+    for loss_type in ("kl", "ce"):
+        term = slot_losses(None, z, r, None, loss_type=loss_type, fused=True)[0]
+        grad, = torch.autograd.grad((weight * term).sum(), z)
+        for i in range(3):
+            ps = [math.exp(x) for x in F.log_softmax(r[i], -1).tolist()]
+            qs = [math.exp(x) for x in F.log_softmax(z[i].detach(), -1).tolist()]
+            y = max(range(V), key=lambda v: r[i, v].item())
+            pi = ps if loss_type == "kl" else [float(v == y) for v in range(V)]
+            want = sum(p * (math.log(p) - math.log(q)) for p, q in zip(pi, qs) if p > 0)
+            assert abs(term[i].item() - want) < 1e-12 * (1 + want), f"{loss_type} row {i}: {term[i].item()} != {want}"
+            want_grad = torch.tensor([weight[i].item() * (q - p) for p, q in zip(pi, qs)], dtype=torch.float64)
+            assert max_diff(grad[i], want_grad) < 1e-12, \
+                f"{loss_type} row {i}: gradient off by {max_diff(grad[i], want_grad):.3g} from w·(softmax(z) - π)"
+
+
 def test_training_steps_skip_the_metrics(target, batch, monkeypatch):
     """with_metrics=False: no walk, no host sync; the loss terms come back as detached tensors."""
     drafter = make_drafter(randomize=True)

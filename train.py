@@ -11,7 +11,6 @@ curves.png (checkpoint.py). A row's place in the data stream fixes its order and
 draws, so a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
-import contextlib
 import math
 import os
 import time
@@ -22,14 +21,15 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, check_target_shape, dflash2_loss,
-                     sample_anchors, spec_generate)
+from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, check_target_shape, loss_from_sums,
+                     loss_sums, sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint)
 from data import collate, load_rows, parse_template_kwargs, read_conversations
 from regenerate import regenerate_file
-from target import choose_mask_token, is_gguf, load_config, load_target, load_tokenizer
+from target import (TargetFeatures, choose_mask_token, decoding_dtype, is_gguf, load_config, load_target,
+                    load_tokenizer, training_dtype)
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -84,7 +84,13 @@ def parse_args(argv=None):
     g.add_argument("--mask-token-id", type=int, help="id of the MASK slots; unset: the tokenizer's mask token, "
                    "else the first target embedding row that no token uses")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="target weights (auto: bfloat16 on GPU, float32 on CPU)")
+                   help="the target's weights; below float32 the drafter's step also runs under bf16 autocast. auto: "
+                   "bfloat16 on a GPU or on a CPU with AMX or AVX512-BF16, else float32 (decoding one sequence on "
+                   "a CPU always uses float32, which is faster there)")
+    g.add_argument("--cache-target-features", default="auto", choices=["auto", "off", "memory", "disk"],
+                   help="keep each training row's target features (context layers, last hidden state) from its "
+                   "first use for later epochs: in memory, or on disk under --out-dir/target_features; auto: "
+                   "memory if they fit in half the free memory, else disk, and off when no row is used twice")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="the offline world (tokenizer, tiny target, on-policy conversations)")
     g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=600,
@@ -207,35 +213,80 @@ def plan(args, device, log):
     return estimate
 
 
+def anchor_seed(seed, place):
+    """The seed of the anchors of the row at `place` in the data stream (train.py's data order);
+    validation row i draws from -1 - anchor_seed(seed, i), never a training row's seed."""
+    return seed * 1_000_003 + place
+
+
+def loss_config(args, accept_at=None):
+    """The loss flags as dflash2.LossConfig (checked once); accept_at: the acceptance metrics' setting."""
+    return LossConfig(loss_type=args.loss, gamma=args.gamma, alpha=args.alpha, selector_labels=args.selector_labels,
+                      soft_labels_at=args.soft_labels_at, accept_at=accept_at, chunk_size=args.loss_chunk or None)
+
+
 def mean_over_ranks(*weights):
     """The loss weights (Σw) of the whole global batch, per rank: dividing each rank's sums by
-    them makes DistributedDataParallel's gradient average that of the global batch's loss."""
+    them makes the mean of the ranks' gradients that of the global batch's loss."""
     total = torch.stack(weights)
     dist.all_reduce(total)
     return total / dist.get_world_size()
 
 
-def loss_step(drafter, target, batch, args, seeds, with_metrics=True, model=None, accept_at=None):
-    """One target pass (no grad; its logits only where the loss needs them, so never
-    (b, S, V) at once) + anchors + the DFlash2 loss. model: the DistributedDataParallel
-    wrapper that runs the drafter's forward, if any; accept_at: LossConfig's."""
+def loss_step(drafter, target, batch, cfg, max_anchors, seeds, with_metrics=True, features=None, rows=None,
+              data_parallel=False):
+    """One target pass (no grad; its logits only where the loss needs them, so never (b, S, V)
+    at once), or the cached features of the batch's training rows `rows`, + anchors + the DFlash2
+    loss, under bf16 autocast when the target is below float32. data_parallel: the loss weights
+    are the global batch's (mean_over_ranks). -> (loss, stats), stats floats with_metrics."""
     ids, attn, loss_mask = batch
-    with torch.no_grad():
-        out = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1)
-    anchors, valid = row_anchors(loss_mask, args.max_anchors, seeds)
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
-        return dflash2_loss(drafter, target, ids, attn, loss_mask, out.hidden_states, anchors, valid,
-                            LossConfig(loss_type=args.loss, gamma=args.gamma, alpha=args.alpha,
-                                       selector_labels=args.selector_labels, soft_labels_at=args.soft_labels_at,
-                                       accept_at=accept_at, chunk_size=args.loss_chunk or None),
-                            with_metrics, forward=model, weight_sums=mean_over_ranks if model is not None else None)
+    if features is None:
+        with torch.no_grad():
+            states = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states
+    else:
+        states = features.hidden_states(target, ids, attn, rows)
+    anchors, valid = row_anchors(loss_mask, max_anchors, seeds)
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=target.dtype in (torch.bfloat16, torch.float16)):
+        sums, metrics = loss_sums(drafter, target, ids, attn, loss_mask, states, anchors, valid, cfg, with_metrics)
+    weights = None
+    if data_parallel:
+        weights = mean_over_ranks(sums["unary_weight"], sums.get("selector_weight", sums["unary_weight"]))
+    loss, stats = loss_from_sums(sums, cfg.alpha, weights)
+    return loss, ({k: v.item() for k, v in stats.items()} | metrics) if with_metrics else stats
+
+
+def feature_cache(args, target, c, train_rows, total_rows_drawn, log):
+    """--cache-target-features -> a TargetFeatures, or None (off). Its size is logged."""
+    size = sum(TargetFeatures.row_bytes(len(ids), len(c.target_layer_ids), c.hidden_size, target.dtype)
+               for ids in train_rows["input_ids"])
+    choice = args.cache_target_features
+    if choice == "auto":
+        pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else 0
+        free = pages * os.sysconf("SC_PAGE_SIZE") if pages else 0
+        choice = "off" if total_rows_drawn <= len(train_rows) else "memory" if size <= free / 2 else "disk"
+        why = ("no row is used twice" if choice == "off" else
+               f"{'within' if choice == 'memory' else 'over'} half of the {free / 2**30:.1f} GiB free")
+    else:
+        why = f"--cache-target-features {choice}"
+    if choice == "off":
+        log(f"target features: computed every step ({why}; a cache would take {size / 2**30:.2f} GiB)")
+        return None
+    folder = os.path.join(args.out_dir, "target_features") if choice == "disk" else None
+    key = {"target_weights": weights_fingerprint(target), "target_layer_ids": c.target_layer_ids,
+           "dtype": str(target.dtype).removeprefix("torch.")}
+    log(f"target features: cached {'in ' + folder if folder else 'in memory'}, {size / 2**30:.2f} GiB for "
+        f"{len(train_rows)} rows ({why})")
+    return TargetFeatures(key, c.target_layer_ids, target.config.num_hidden_layers, folder)
 
 
 @torch.no_grad()
 def evaluate(drafter, target, tokenizer, val, args, device, log):
-    seeds = [-1 - args.seed * 1_000_003 - i for i in range(len(val))]  # fixed, and never a training row's seed
+    seeds = [-1 - anchor_seed(args.seed, i) for i in range(len(val))]
     stats = mean_stats([loss_step(drafter, target, collate(val[i:i + args.batch_size], tokenizer.pad_token_id, device),
-                                  args, seeds[i:i + args.batch_size])[1] for i in range(0, len(val), args.batch_size)])
+                                  loss_config(args), args.max_anchors, seeds[i:i + args.batch_size])[1]
+                        for i in range(0, len(val), args.batch_size)])
+    trained_in = target.dtype
+    target.to(decoding_dtype(device, trained_in))  # and back below: bf16 -> float32 -> bf16 is exact
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
     for temperature in (0.0, 1.0):
         als, tps, texts, t0 = [], [], [], time.time()
@@ -248,7 +299,9 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
             tps.append(s.tokens_per_second)
             texts.append(tokenizer.decode(new))
         table[temperature] = (sum(als) / len(als), sum(tps) / len(tps), texts[0])
-        log(f"eval | spec_generate at T = {temperature}: {len(als)} prompts in {time.time() - t0:.0f}s")
+        log(f"eval | spec_generate at T = {temperature}: {len(als)} prompts in {time.time() - t0:.0f}s, "
+            f"target in {str(target.dtype).removeprefix('torch.')}")
+    target.to(trained_in)
     sel = lambda k: f"{stats[k]:.3f}" if k in stats else "-"
     log(f"eval | val loss {stats['loss']:.4f} unary {stats['unary_loss']:.4f} sel {sel('selector_loss')} | "
         f"recall@K {sel('recall_at_k')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
@@ -385,6 +438,9 @@ def train(args):
         "steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch, "world": world, "seed": args.seed})
     state = check_resume(resume_file, run) if args.resume else None
 
+    dtype, why = training_dtype(args.dtype, device)
+    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
+        + f": {why}")
     target = load_target(args.target, args.dtype, device)
     check_target(drafter.config, target)  # the loaded tables themselves, and the mask token
     meta = {"run": run, "target_weights": weights_fingerprint(target)}
@@ -392,10 +448,11 @@ def train(args):
     params = list(drafter.parameters())
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     step = resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
-    # data parallel: the wrapper starts every replica from rank 0's weights and averages gradients
-    model = torch.nn.parallel.DistributedDataParallel(drafter) if world > 1 else None
+    for p in params if world > 1 else ():  # data parallel: every replica starts from rank 0's weights
+        dist.broadcast(p.data, 0)
     os.makedirs(args.out_dir, exist_ok=True)
-    c = drafter.config
+    c, loss_cfg = drafter.config, loss_config(args)
+    features = feature_cache(args, target, c, train_rows, total * global_batch, log)
     log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {target.dtype}) | drafter "
         f"{sum(p.numel() for p in params) / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers "
         f"{c.target_layer_ids}, mask token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} "
@@ -408,26 +465,30 @@ def train(args):
         return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
 
     def micro_batch(step, micro):
-        """-> the batch and its rows' places in the data stream (which seed their anchors)."""
+        """-> the batch, its training rows and their places in the data stream (which seed their anchors)."""
         start = step * global_batch + (micro * world + rank) * args.batch_size
         places = range(start, start + args.batch_size)
         idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in places]
-        return collate(train_rows[idx], tokenizer.pad_token_id, device), [args.seed * 1_000_003 + i for i in places]
+        return collate(train_rows[idx], tokenizer.pad_token_id, device), idx, [anchor_seed(args.seed, i) for i in places]
 
     losses, summary, t_start, t_log, tokens, start_step = {}, {}, time.time(), time.time(), 0, step
     while step < total:
         micro_stats, log_step = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
-            batch, seeds = micro_batch(step, micro)
-            last = micro == args.grad_accum - 1  # gradients are averaged across ranks once, after the last
-            with model.no_sync() if model is not None and not last else contextlib.nullcontext():
-                loss, stats = loss_step(drafter, target, batch, args, seeds, log_step, model)
-                (loss / args.grad_accum).backward()
+            batch, rows, seeds = micro_batch(step, micro)
+            loss, stats = loss_step(drafter, target, batch, loss_cfg, args.max_anchors, seeds, log_step, features, rows,
+                                    world > 1)
+            (loss / args.grad_accum).backward()
             micro_stats.append(stats)
             tokens += int(batch[1].sum()) * world
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
-        if world > 1:  # for the log line
-            dist.all_reduce(step_loss)
+        if world > 1:  # the mean of the ranks' gradients is the global batch's (loss_step's weights)
+            for p in params:
+                if p.grad is None:  # a part no counted slot of this rank reached
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+                p.grad /= world
+            dist.all_reduce(step_loss)  # for the log line
             step_loss /= world
         grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf"))
         if not (torch.isfinite(step_loss) and torch.isfinite(grad_norm)):

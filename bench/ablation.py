@@ -158,7 +158,8 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
             n = int(train.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
-            stats = train.loss_step(drafter, target, batch, targs, seeds, accept_at=accept_at)[1]
+            stats = train.loss_step(drafter, target, batch, train.loss_config(targs, accept_at), targs.max_anchors,
+                                    seeds)[1]
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v

@@ -846,18 +846,13 @@ def put_losses(put, drafter, target, batch, inp):
         put(f"loss.empty.{key}", torch.tensor(stats[key], dtype=torch.float32),
             f"{key} with no counted slot: empty counts are floored at 1, so 0 (an AL over no block is 0 too)")
 
-    sums = []
-    for r in range(2):
-        part = lambda x: x[r:r + 1]
-        dflash2.dflash2_loss(drafter, target, part(batch["input_ids"]), part(batch["attention_mask"]),
-                             part(batch["loss_mask"]), tuple(part(x) for x in inp["hidden_states"]), part(anchors),
-                             part(batch["anchor_valid"]), with_metrics=False,
-                             weight_sums=lambda *ws: sums.append(torch.stack(ws)) or ws)
+    rank_sums = [dflash2.loss_sums(drafter, target, batch["input_ids"][r:r + 1], batch["attention_mask"][r:r + 1],
+                                   batch["loss_mask"][r:r + 1], tuple(x[r:r + 1] for x in inp["hidden_states"]),
+                                   anchors[r:r + 1], batch["anchor_valid"][r:r + 1], with_metrics=False)[0]
+                 for r in range(2)]
+    sums = [torch.stack([s["unary_weight"], s["selector_weight"]]) for s in rank_sums]
     mean = torch.stack(sums).mean(0)
-    rank_losses = torch.stack([dflash2.dflash2_loss(
-        drafter, target, batch["input_ids"][r:r + 1], batch["attention_mask"][r:r + 1], batch["loss_mask"][r:r + 1],
-        tuple(x[r:r + 1] for x in inp["hidden_states"]), anchors[r:r + 1], batch["anchor_valid"][r:r + 1],
-        with_metrics=False, weight_sums=lambda *ws: tuple(mean))[0].detach() for r in range(2)])
+    rank_losses = torch.stack([dflash2.loss_from_sums(s, 1.0, tuple(mean))[0].detach() for s in rank_sums])
     put("loss.data_parallel.weight_sums", torch.stack(sums), "(ranks, 2) each rank's (Σw unary, Σ w·m selector), "
         "rank r holding batch row r")
     put("loss.data_parallel.rank_losses", rank_losses, "(ranks,) each rank's L with its sums divided by the ranks' "

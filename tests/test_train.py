@@ -49,7 +49,7 @@ def flags(world, out, *extra, data=None):
     return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out),
             "--cache-dir", str(world["root"] / "cache"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6",
             "--val-size", "4", "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8",
-            "--log-every", "1", *extra]
+            "--log-every", "1", "--dtype", "float32", *extra]  # float32: the same numbers on every CPU
 
 
 def args_for(world, out, *extra, data=None):
@@ -124,11 +124,11 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
     data = write_jsonl(tmp_path / "three.jsonl", [{"messages": c} for c in convs])
     drawn, loss_step = [], train.loss_step
 
-    def recording(drafter, target, batch, args, seeds, *rest, **kw):  # the anchors this step draws, by row
+    def recording(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw):  # the anchors drawn, by row
         ids, attn, loss_mask = batch
-        anchors, valid = train.row_anchors(loss_mask, args.max_anchors, seeds)
+        anchors, valid = train.row_anchors(loss_mask, max_anchors, seeds)
         drawn.extend((tuple(ids[r][attn[r].bool()].tolist()), anchors[r][valid[r]].tolist()) for r in range(len(ids)))
-        return loss_step(drafter, target, batch, args, seeds, *rest, **kw)
+        return loss_step(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw)
 
     monkeypatch.setattr(train, "loss_step", recording)
     train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", data=data))
@@ -150,14 +150,14 @@ def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path
 
 
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
-    real, calls = train.dflash2_loss, []
+    real, calls = train.loss_from_sums, []
 
     def nan_on_second_step(*a, **k):
         loss, stats = real(*a, **k)
         calls.append(1)
         return (loss * float("nan") if len(calls) == 2 else loss), stats
 
-    monkeypatch.setattr(train, "dflash2_loss", nan_on_second_step)
+    monkeypatch.setattr(train, "loss_from_sums", nan_on_second_step)
     with pytest.raises(RuntimeError, match="not finite"):
         train.train(args_for(world, tmp_path / "out", "--steps", "4", "--save-every", "1"))
     state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)
