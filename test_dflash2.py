@@ -1085,7 +1085,7 @@ def assert_same_loss(got, want, what, tol):
 def edge_scores_float64(sel):
     """sel.edge_scores without its cast to fp32 (kept on purpose, §8): fp32 scores would
     hide a chunking error of 1e-10 behind rounding of 1e-7."""
-    def scores(h, unary, prev, cand):
+    def scores(h, unary, prev, cand, embedding=None):  # free codebooks: the embedding is not read
         pairwise = torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
                                 sel.successor_codebook[cand])
         return unary.gather(-1, cand) + pairwise
