@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 import dflash2
 
@@ -84,16 +85,28 @@ def config_fields(raw, where):
         raise ValueError(f"{where} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
 
 
-def servable(drafter):
+def servable(drafter, embedding=None):
     """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
     switched off is exported with the other as the exact identity: a convolution with
     tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
     unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
-    -> a drafter that computes exactly what `drafter` computes, with both parts or none."""
+    Factored codebooks (§3) are materialized as the [V, R] tables engines read, from
+    `embedding`, the target's input embedding: A = E·W_Aᵀ, Bc = E·W_Bᵀ.
+    -> a drafter that computes what `drafter` computes, with both parts or none."""
     c, state = drafter.config, drafter.state_dict()
-    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
+    factored = bool(c.selector_top_k) and c.selector_codebooks == "factored"
+    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k and not factored):
         return drafter
-    full = {}
+    full = {"selector_codebooks": "free"}
+    if factored:
+        if embedding is None:
+            raise ValueError("the drafter's selector has factored codebooks: exporting it needs the target's input "
+                             "embedding (save_export(..., embedding=target.get_input_embeddings()))")
+        with torch.no_grad():  # the same F.linear on fp32 rows as CandidateSelector.edge_scores
+            E = embedding.weight.float()
+            for side in ("predecessor", "successor"):
+                W = state.pop(f"candidate_selector.{side}_projection.weight").float()
+                state[f"candidate_selector.{side}_codebook"] = F.linear(E, W)
     if not c.conv_kernel_size:
         taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
         identity = torch.zeros(2, taps, c.hidden_size)
@@ -115,13 +128,14 @@ def servable(drafter):
     return whole
 
 
-def save_export(drafter, path, dtype=torch.bfloat16):
-    """servable(drafter) as the folder `path` with config.json + model.safetensors, written
-    under a temporary name and renamed into place, world-readable (servers run as other users)."""
+def save_export(drafter, path, dtype=torch.bfloat16, embedding=None):
+    """servable(drafter, embedding) as the folder `path` with config.json + model.safetensors,
+    written under a temporary name and renamed into place, world-readable (servers run as
+    other users). embedding: the target's input embedding, needed by factored codebooks only."""
     from safetensors.torch import save_file
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
-    path, drafter = os.path.abspath(path), servable(drafter)
+    path, drafter = os.path.abspath(path), servable(drafter, embedding)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
@@ -294,9 +308,10 @@ def plot_curves(out_dir):
     plt.close(fig)
 
 
-def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta):
-    """The servable export, then the resume state; each written under a temp name and renamed."""
-    save_export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype))
+def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta, embedding=None):
+    """The servable export, then the resume state; each written under a temp name and renamed.
+    resume.pt holds the drafter's own parameters: factored codebooks as W_A and W_B, not tables."""
+    save_export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype), embedding)
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))

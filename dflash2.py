@@ -67,6 +67,7 @@ class DFlash2Config:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16       # 0 turns the candidate selector off
+    selector_codebooks: str = "free"  # or "factored": A = E·W_A, Bc = E·W_B from the target's embedding E (§3)
     # conv and selector both off = plain DFlash (v1)
 
     def __post_init__(self):
@@ -82,20 +83,14 @@ class DFlash2Config:
         L = target_config.num_hidden_layers
         if "mask_token_id" not in overrides:
             raise ValueError("from_target needs mask_token_id: an existing but unused token id of the target")
-        n_heads = target_config.num_attention_heads
+        tc, n_heads = target_config, target_config.num_attention_heads
         shape = dict(
-            hidden_size=target_config.hidden_size,
-            intermediate_size=target_config.intermediate_size,
-            num_heads=n_heads,
-            num_kv_heads=getattr(target_config, "num_key_value_heads", None) or n_heads,
-            head_dim=getattr(target_config, "head_dim", None) or target_config.hidden_size // n_heads,
-            vocab_size=target_config.vocab_size,
-            num_target_layers=L,
-            target_layer_ids=default_target_layer_ids(L),
-            rms_norm_eps=target_config.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(target_config, "rope_theta", 1e6)),
-            max_position_embeddings=target_config.max_position_embeddings,
-        )
+            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
+            num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
+            num_target_layers=L, target_layer_ids=default_target_layer_ids(L), rms_norm_eps=tc.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 1e6)),
+            max_position_embeddings=tc.max_position_embeddings)
         return cls(**{**shape, **known_fields(overrides)})
 
     @property
@@ -119,6 +114,8 @@ def check_config(c):
         (c.block_size >= 2, f"block_size ({c.block_size}) must be >= 2 (an anchor plus at least one draft slot)"),
         (0 <= c.mask_token_id < c.vocab_size,
          f"mask_token_id ({c.mask_token_id}) must be a token of the target vocabulary [0, {c.vocab_size})"),
+        (c.selector_codebooks in ("free", "factored"),
+         f"selector_codebooks ({c.selector_codebooks!r}) must be 'free' or 'factored'"),
         (ids, "target_layer_ids is empty: the drafter needs at least one target layer"),
         (all(0 <= l < L for l in ids),
          f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})"),
@@ -353,26 +350,38 @@ class DecoderLayer(nn.Module):
 
 
 class CandidateSelector(nn.Module):
-    """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k])."""
+    """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
+    A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the
+    target's frozen input embedding, passed in as `embedding`: 3·H·R parameters, not H·R + 2·V·R."""
 
     def __init__(self, c):
         super().__init__()
-        self.top_k = c.selector_top_k
+        self.top_k, self.factored = c.selector_top_k, c.selector_codebooks == "factored"
         self.hidden_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
-        self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
+        if self.factored:  # the export materializes A and Bc under the free tables' names (§7)
+            self.predecessor_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)  # W_A
+            self.successor_projection = nn.Linear(c.hidden_size, c.selector_rank, bias=False)    # W_B
+        else:
+            self.predecessor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
+            self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
 
-    def edge_scores(self, h, unary, prev, cand):
-        """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32.
+    def edge_scores(self, h, unary, prev, cand, embedding=None):
+        """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32;
+        embedding: the target's input embedding, which factored codebooks read.
         Scores stay in fp32 even inside autocast: in bf16 about 1% of the argmaxes flip."""
+        if self.factored and embedding is None:
+            raise ValueError("a selector with factored codebooks needs the target's input embedding (embedding=)")
         with torch.autocast(h.device.type, enabled=False):
             P = F.linear(h.float(), self.hidden_projection.weight.float())  # (..., R)
-            A = self.predecessor_codebook[prev].float()                     # (..., R)
-            Bc = self.successor_codebook[cand].float()                      # (..., K, R)
+            if self.factored:
+                A = F.linear(embedding(prev).float(), self.predecessor_projection.weight.float())  # (..., R)
+                Bc = F.linear(embedding(cand).float(), self.successor_projection.weight.float())   # (..., K, R)
+            else:
+                A, Bc = self.predecessor_codebook[prev].float(), self.successor_codebook[cand].float()
             pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
             return unary.float().gather(-1, cand) + pairwise
 
-    def walk(self, h, unary, anchor, temperature=0.0, generator=None):
+    def walk(self, h, unary, anchor, temperature=0.0, generator=None, embedding=None):
         """Walk the slots from the verified anchor, feeding each choice forward (§3).
 
         h (M, B-1, H), unary (M, B-1, V), anchor (M,) -> path (M, B-1), cand (M, B-1, K),
@@ -382,7 +391,7 @@ class CandidateSelector(nn.Module):
         cand = unary.topk(self.top_k, dim=-1).indices            # (M, B-1, K)
         prev, path, qs = anchor, [], []
         for j in range(cand.shape[1]):
-            s = self.edge_scores(h[:, j], unary[:, j], prev, cand[:, j])  # (M, K)
+            s = self.edge_scores(h[:, j], unary[:, j], prev, cand[:, j], embedding)  # (M, K)
             if temperature == 0:
                 pick = s.argmax(-1)
                 q = F.one_hot(pick, s.shape[-1]).float()
@@ -405,8 +414,8 @@ def init_weights(drafter):
     first every linear N(0, 0.02) and every RMSNorm weight 1, then the DFlash2 parts.
     Identity convolution (tap 0 = 1, other taps and the dynamic part 0): a fresh DFlash2
     layer computes exactly what the DFlash layer with the same weights computes.
-    Successor codebook 0: a fresh selector's scores are the unary logits exactly, so a
-    fresh DFlash2 drafter proposes what DFlash proposes (and DFlash warm-starts cleanly)."""
+    Successor codebook 0 (factored: W_B = 0): a fresh selector's scores are the unary logits
+    exactly, so a fresh DFlash2 drafter proposes what DFlash proposes (and DFlash warm-starts cleanly)."""
     for m in drafter.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
@@ -417,14 +426,16 @@ def init_weights(drafter):
             m.base_kernel.zero_()
             m.base_kernel[:, 0] = 1.0
             m.kernel_projection.weight.zero_()
+        elif isinstance(m, CandidateSelector) and m.factored:  # W_A keeps the linears' N(0, 0.02)
+            m.successor_projection.weight.zero_()
         elif isinstance(m, CandidateSelector):
             nn.init.normal_(m.predecessor_codebook, std=0.02)
             m.successor_codebook.zero_()
 
 
 class DFlash2Drafter(nn.Module):
-    """Parameter names follow the checkpoint contract (§7), so export is a plain state_dict.
-    The target's embedding and lm_head are passed in by the caller, never owned."""
+    """Parameter names follow §7, so export is a plain state_dict (factored codebooks: materialized
+    by checkpoint.py). The target's embedding and lm_head are passed in by the caller, never owned."""
 
     def __init__(self, config):
         super().__init__()
@@ -457,13 +468,14 @@ class DFlash2Drafter(nn.Module):
             cache.length += ctx_features.shape[1]
         return self.norm(h)
 
-    def propose(self, h, unary, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0):
+    def propose(self, h, unary, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0, embedding=None):
         """Draft tokens for one block's slots 1..B-1: the selector walk, or with the selector
         off the unary argmax (T = 0) / a unary sample (T > 0) from sampling_probs, the law the
         request gives the target (top-k / top-p included, §5). Returns path (M, B-1),
-        cand (M, B-1, K or V), q (M, B-1, K or V) the law each token was drawn from."""
+        cand (M, B-1, K or V), q (M, B-1, K or V) the law each token was drawn from. embedding:
+        the target's input embedding, which factored codebooks read."""
         if self.config.selector_top_k:
-            return self.candidate_selector.walk(h, unary, anchor, temperature, generator)
+            return self.candidate_selector.walk(h, unary, anchor, temperature, generator, embedding)
         M, n, V = unary.shape
         cand = torch.arange(V, device=unary.device).expand(M, n, V)
         if temperature == 0:
@@ -619,7 +631,7 @@ class TargetLoss(torch.autograd.Function):
 
 
 def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None,
-                fused=False):
+                embedding=None, fused=False):
     """The §6 terms of each slot, for slots laid out any way (...):
 
         unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
@@ -629,9 +641,10 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
                 (T, top_p, top_k) sampling_probs(ref, T, top_p, top_k)), restricted to C
 
     h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
-    predecessor ids -> (unary term, selector term, Σ_{c∈C} π_c: the slot's selector weight),
-    each (...); the last two are None without a selector. fused: the unary term from TargetLoss
-    (the same values in fewer passes over V, for finite logits); the lines below define it."""
+    predecessor ids, embedding the target's input embedding (factored codebooks) -> (unary term,
+    selector term, Σ_{c∈C} π_c: the slot's selector weight), each (...); the last two are None
+    without a selector. fused: the unary term from TargetLoss (the same values in fewer passes
+    over V, for finite logits); the lines below define it."""
     soft = selector is not None and selector_labels == "soft"
     if fused:
         term, p, label = TargetLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2), loss_type == "ce")
@@ -650,15 +663,15 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
     p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
     cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
     pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
-    log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand), dim=-1)
+    log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand, embedding), dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 
-def weighted_sums(selector, lm_head, cfg, h, ref_h, prev, w):
+def weighted_sums(selector, embed, lm_head, cfg, h, ref_h, prev, w):
     """Σ w·unary term (with a selector also Σ w·selector term, Σ w·selector weight) over n slots:
     h / ref_h (n, H) drafter / target final hidden states, prev / w (n,). n bounds the memory."""
     term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
-                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, cfg.fused)
+                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, embed, cfg.fused)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
@@ -705,7 +718,7 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    chunk_sums = functools.partial(weighted_sums, drafter.candidate_selector, lm_head, cfg)
+    chunk_sums = functools.partial(weighted_sums, drafter.candidate_selector, embed, lm_head, cfg)
     n, parts = cfg.chunk_size or max(1, len(idx)), []
     for i in range(0, max(1, len(idx)), n):
         chunk = [x[i:i + n] for x in slots]
@@ -718,7 +731,8 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
     metrics = {}
     if with_metrics:
         with torch.no_grad():
-            metrics = _metrics(drafter, lm_head, h, ref_h, prev, counted, cfg.chunk_size, cfg.accept_at or (1.0, 1.0, 0))
+            metrics = _metrics(drafter, embed, lm_head, h, ref_h, prev, counted, cfg.chunk_size,
+                               cfg.accept_at or (1.0, 1.0, 0))
     return sums, metrics
 
 
@@ -750,7 +764,7 @@ def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_s
     return loss, stats
 
 
-def _metric_hits(drafter, lm_head, h, ref_h, prev, accept_at):
+def _metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
     """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for unary
     argmax right, label among the top-K, teacher-forced selector pick right, the walk (its own
     choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
@@ -761,22 +775,23 @@ def _metric_hits(drafter, lm_head, h, ref_h, prev, accept_at):
     sel = drafter.candidate_selector
     if sel is not None:
         cand = unary.topk(sel.top_k, dim=-1).indices
-        scores, p_cand = sel.edge_scores(h, unary, prev, cand), p.gather(-1, cand)
+        scores, p_cand = sel.edge_scores(h, unary, prev, cand, embed), p.gather(-1, cand)
         tf_pick = cand.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
         hits.update(oracle=(cand == label[..., None]).any(-1), tf=tf_pick == label,
-                    walk=sel.walk(h, unary, prev[:, 0])[0] == label, mass_at_k=p_cand.sum(-1),
+                    walk=sel.walk(h, unary, prev[:, 0], embedding=embed)[0] == label, mass_at_k=p_cand.sum(-1),
                     accept_selector=torch.minimum(p_cand, F.softmax(scores / accept_at[0], -1).to(p.dtype)).sum(-1))
     return hits
 
 
-def _metrics(drafter, lm_head, h, ref_h, prev, counted, chunk_size, accept_at):
+def _metrics(drafter, embed, lm_head, h, ref_h, prev, counted, chunk_size, accept_at):
     """§6 metrics over counted slots, a chunk of whole blocks at a time (the walk runs
     along a block); a slot that isn't counted ends an acceptance run.
     h / ref_h (b, N, B-1, H), prev / counted (b, N, B-1)."""
     flat = [x.flatten(0, 1) for x in (h, ref_h, prev)]
     M = len(flat[0])
     size = M if chunk_size is None else max(1, chunk_size // counted.shape[-1])
-    parts = [_metric_hits(drafter, lm_head, *(x[i:i + size] for x in flat), accept_at) for i in range(0, M, size)]
+    parts = [_metric_hits(drafter, embed, lm_head, *(x[i:i + size] for x in flat), accept_at)
+             for i in range(0, M, size)]
     hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
     blocks = counted[..., 0]
     n_blocks = blocks.sum().clamp(min=1)
@@ -945,7 +960,8 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
         h = drafter(embed(block).to(dtype), torch.arange(a, a + B, device=dev)[None], new_ctx.to(dtype),
                     torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
         unary = lm_head(h.to(lm_head.weight.dtype)).float()
-        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator, top_p=top_p, top_k=top_k)
+        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator, top_p=top_p, top_k=top_k,
+                                        embedding=embed)
         n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
         draft = path[0, :n]
 

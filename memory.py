@@ -26,9 +26,10 @@ import dflash2
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
 DRAFTER_BYTES_PER_PARAM = 16
-# live (n, V) fp32 tensors at the peak of one chunk's recomputed backward (logits of the
-# drafter and of the target, log q, p, p·log q, gradients); 7 fits the measured peaks
-LOSS_TENSORS_PER_SLOT = 7
+# live (n, V) fp32 tensors at the peak of one chunk's recomputed backward: the logits of the
+# drafter and of the target, and the two softmaxes TargetLoss keeps (the gradient is built in
+# one of them); 4 fits the measured peaks
+LOSS_TENSORS_PER_SLOT = 4
 
 
 def drafter_config(target_config, **overrides):

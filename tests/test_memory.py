@@ -152,3 +152,22 @@ def test_plan_at_qwen3_8b_shape():
     assert base["target_weights"] == 2 * base["target_params"], base
     assert 1 <= base["max_batch_size"] < checkpointed["max_batch_size"], \
         f"largest batch {base['max_batch_size']} without, {checkpointed['max_batch_size']} with grad checkpointing"
+
+
+def test_factored_selector_trains_the_write_ups_two_million_parameters_at_qwen3_4b():
+    """The write-up's +2.0M: at Qwen3-4B's shape (H = 2560, V = 151,936, R = 256) factored
+    codebooks give the selector 3·H·R = 1,966,080 trainable parameters (hidden projection, W_A,
+    W_B), free ones H·R + 2·V·R; the plan's drafter count (and its AdamW bytes) differs by that."""
+    config = qwen3_config(**QWEN3_4B)
+    selector, plan = {}, {}
+    for codebooks in ("free", "factored"):
+        with torch.device("meta"):
+            drafter = dflash2.DFlash2Drafter(memory.drafter_config(config, block_size=16, selector_codebooks=codebooks))
+        selector[codebooks] = sum(p.numel() for p in drafter.candidate_selector.parameters() if p.requires_grad)
+        plan[codebooks] = memory.memory_plan(config, 3072, 512, block_size=16, selector_codebooks=codebooks)
+    want = {"free": 2560 * 256 + 2 * 151_936 * 256, "factored": 1_966_080}
+    assert selector == want, f"trainable selector parameters {selector}, want {want}"
+    saved = plan["free"]["drafter_params"] - plan["factored"]["drafter_params"]
+    assert saved == want["free"] - want["factored"] and \
+        plan["free"]["drafter_states"] - plan["factored"]["drafter_states"] == 16 * saved, \
+        f"the plan counts {plan['free']['drafter_params']} / {plan['factored']['drafter_params']} drafter parameters"

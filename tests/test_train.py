@@ -149,6 +149,35 @@ def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path
     assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
 
 
+def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, monkeypatch):
+    """--selector-codebooks factored: a run killed after its step-1 checkpoint resumes W_A and
+    W_B from resume.pt and trains them on (they move); its export is an ordinary DFlash2
+    checkpoint whose tables are E·W_Aᵀ and E·W_Bᵀ of the final weights, E the target's embedding."""
+    save = train.save_checkpoint
+
+    def save_then_die(*a, **k):
+        save(*a, **k)
+        raise KeyboardInterrupt
+
+    run = lambda *extra: train.train(args_for(world, tmp_path, "--steps", "2", "--save-every", "1",
+                                              "--selector-codebooks", "factored", "--export-dtype", "float32", *extra))
+    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    first = torch.load(tmp_path / "resume.pt", weights_only=True)
+    monkeypatch.setattr(train, "save_checkpoint", save)
+    assert list(run("--resume")["losses"]) == [2], "the resumed run did not do step 2 alone"
+    last = torch.load(tmp_path / "resume.pt", weights_only=True)
+    assert last["run"]["drafter"]["selector_codebooks"] == "factored", last["run"]["drafter"]
+    E = AutoModelForCausalLM.from_pretrained(world["target"]).get_input_embeddings().weight.double()
+    exported = checkpoint.load_export(tmp_path / "checkpoint").state_dict()
+    for side in ("predecessor", "successor"):
+        W = last["model"][f"candidate_selector.{side}_projection.weight"]
+        assert not torch.equal(W, first["model"][f"candidate_selector.{side}_projection.weight"]), f"W {side} froze"
+        table, want = exported[f"candidate_selector.{side}_codebook"].double(), E @ W.double().T
+        assert (table - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(table - want).abs().max():.3g}"
+
+
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = train.loss_from_sums, []
 
