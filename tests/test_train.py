@@ -149,6 +149,22 @@ def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path
     assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
 
 
+def test_speculators_dry_run_names_the_target_and_init_from_reads_it_back(world, tmp_path, capsys):
+    """--export-format speculators: config.json names --target as the verifier (vLLM serves the
+    folder alone), the dry run prints that command, and --init-from reads the export back."""
+    out = tmp_path / "dry"
+    train.train(args_for(world, out, "--num-layers", "1", "--export-format", "speculators", "--dry-run"))
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]
+    assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
+        f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
+    printed = capsys.readouterr().out
+    assert f"vllm serve {(out / 'checkpoint').absolute()}\n" in printed, printed
+    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out / "checkpoint")))
+    c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
+    assert c.num_layers == 1, f"--init-from a speculators export trained {c}"
+
+
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = train.dflash2_loss, []
 
