@@ -1,6 +1,7 @@
 """
 What a run writes: the export that vLLM, SGLang and the z-lab `dflash` package load (§7:
-config.json + model.safetensors, written by save_export and read by load_export), and for
+config.json + model.safetensors, written by save_export and read by load_export, config.json
+in the z-lab layout or in vllm-project speculators'), and for
 train.py the resume state, the identity a resumed run must share with the run it continues,
 and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary
 name and renamed into place. This file imports dflash2.py, never the other way round.
@@ -25,6 +26,15 @@ QWEN3_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_he
                "num_kv_heads": "num_key_value_heads"}  # DFlash2Config field -> config.json key, where they differ
 DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")        # in config.json's dflash_config
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # there, for DFlash2 only
+EXPORT_FORMATS = ("z-lab", "speculators")  # config.json's layout; the tensors are the same
+SPECULATORS_VERSION = "0.9.0"  # the vllm-project speculators release whose config format speculators_config writes
+SPECULATORS_TYPES = {"dflash2": ("DFlash2DraftModel", "DFlash2SpeculatorConfig"),  # speculators_model_type ->
+                     "dflash": ("DFlashDraftModel", "DFlashSpeculatorConfig")}     # (architecture, config class)
+SPECULATORS_INERT = (  # speculators fields that change nothing this drafter computes
+    "architectures", "auto_map", "speculators_version", "speculators_config", "torch_dtype", "dtype",
+    "transformers_version",
+    "tie_word_embeddings",        # the drafter has no embedding or head of its own: it borrows the target's
+    "sliding_window_non_causal")  # masking of sliding-window layers, which are refused
 SUPPORTED = {  # config.json fields that change what a drafter computes: any other value is refused, not ignored
     "output_multiplier": lambda v: v in (None, 1), "final_logit_softcapping": lambda v: v is None,
     "input_embedding_scale": lambda v: v in (None, 1), "use_sliding_window": lambda v: not v,
@@ -35,10 +45,10 @@ SUPPORTED = {  # config.json fields that change what a drafter computes: any oth
 }
 
 
-def checkpoint_config(c):
-    """config.json of a drafter config: a Qwen3 config plus the DFlash/DFlash2 fields in dflash_config."""
+def layer_config(c):
+    """The drafter's layers as a Qwen3 config: config.json's top level in the z-lab format,
+    its transformer_layer_config in speculators'."""
     return {
-        "architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": c.hidden_size,
         "intermediate_size": c.intermediate_size,
@@ -54,95 +64,216 @@ def checkpoint_config(c):
         "vocab_size": c.vocab_size,
         "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": False,
+    }
+
+
+def checkpoint_config(c):
+    """config.json of a drafter config in the z-lab format: a Qwen3 config plus the DFlash/DFlash2
+    fields in dflash_config."""
+    return {
+        "architectures": ["DFlash2DraftModel" if c.is_dflash2 else "DFlashDraftModel"],
+        **layer_config(c),
         "num_target_layers": c.num_target_layers,
         "block_size": c.block_size,
         "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())},
     }
 
 
-def config_fields(raw, where):
-    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports -> DFlash2Config fields."""
+def speculators_config(c, verifier):
+    """config.json of a drafter config in vllm-project speculators' format (release
+    SPECULATORS_VERSION): the layers nested as transformer_layer_config, the context layers as
+    HF hidden_states indices (aux id = target layer id + 1), no record of the target's layer
+    count, and the verifier vLLM serves the drafter with: {"name_or_path", "architectures"}."""
+    kind = "dflash2" if c.is_dflash2 else "dflash"
+    architecture, config_class = SPECULATORS_TYPES[kind]
+    dflash2_fields = {k: getattr(c, k) for k in DFLASH2_FIELDS} if c.is_dflash2 else {}
+    return {
+        "architectures": [architecture],
+        "auto_map": {"": f"config.{config_class}"},
+        "aux_hidden_state_layer_ids": [l + 1 for l in c.target_layer_ids],
+        "block_size": c.block_size,
+        **dflash2_fields,
+        "draft_vocab_size": c.vocab_size,
+        "mask_token_id": c.mask_token_id,
+        "sample_from_anchor": False,
+        "sliding_window_non_causal": c.is_dflash2,  # speculators' default per type; no effect without sliding layers
+        "speculators_config": {
+            "algorithm": kind,
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                  "speculative_tokens": c.block_size - 1, "verifier_accept_k": 1}],
+            "verifier": {"architectures": list(verifier["architectures"]), "name_or_path": verifier["name_or_path"]},
+        },
+        "speculators_model_type": kind,
+        "speculators_version": SPECULATORS_VERSION,
+        "target_hidden_size": c.hidden_size,
+        "tie_word_embeddings": False,
+        "transformer_layer_config": layer_config(c),
+    }
+
+
+def layer_fields(layer, where):
+    """The inverse of layer_config -> DFlash2Config's layer fields, refusing what SUPPORTED refuses."""
+    layer = {**layer, "rope_parameters": layer.get("rope_parameters") or layer.get("rope_scaling")}
+    for name, ok in SUPPORTED.items():
+        if not ok(layer.get(name)):
+            raise ValueError(f"{where}: {name} = {layer[name]!r} is not supported by this implementation (only the "
+                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
+    return dict(
+        {k: layer[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
+                                                   "num_kv_heads", "vocab_size", "rms_norm_eps",
+                                                   "max_position_embeddings")},
+        head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
+        rope_theta=layer.get("rope_theta") or layer["rope_parameters"]["rope_theta"])
+
+
+def zlab_fields(raw, where):
+    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports."""
     if (raw.get("architectures") or [None])[0] not in ("DFlash2DraftModel", "DFlashDraftModel"):
         raise ValueError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
                          "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
-    raw = {**raw, "rope_parameters": raw.get("rope_parameters") or raw.get("rope_scaling")}
-    for name, ok in SUPPORTED.items():
-        if not ok(raw.get(name)):
-            raise ValueError(f"{where}: {name} = {raw[name]!r} is not supported by this implementation (only the "
-                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
     d = raw.get("dflash_config", {})
+    return dict(layer_fields(raw, where), num_target_layers=raw["num_target_layers"],
+                block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
+                target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
+                selector_top_k=d.get("selector_top_k", 0),
+                **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
+
+
+def speculators_fields(raw, where):
+    """The inverse of speculators_config, for speculators' "dflash2" and "dflash" types. Every
+    field is mapped, checked or known to change nothing here (SPECULATORS_INERT); any other is
+    refused by name. transformer_layer_config is read as speculators reads it (transformers'
+    config class for its model_type, so fields left at their default are filled in)."""
+    import transformers
+    kind = raw["speculators_model_type"]
+    if kind not in SPECULATORS_TYPES:
+        raise ValueError(f"{where}: speculators_model_type {kind!r} is not a DFlash drafter "
+                         f"(expected one of {sorted(SPECULATORS_TYPES)})")
+    known = {"speculators_model_type", "transformer_layer_config", "aux_hidden_state_layer_ids", "block_size",
+             "mask_token_id", "sample_from_anchor", "draft_vocab_size", "target_hidden_size", *SPECULATORS_INERT,
+             *(DFLASH2_FIELDS if kind == "dflash2" else ())}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{where}: {', '.join(unknown)} is not a field of a speculators {kind!r} config that this "
+                         "implementation maps (refused, not ignored)")
+    layer = dict(raw["transformer_layer_config"])
+    model_type = layer.pop("model_type", "qwen3")
     try:
-        return dict(
-            {k: raw[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
-                                                     "num_kv_heads", "vocab_size", "num_target_layers", "rms_norm_eps",
-                                                     "max_position_embeddings")},
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"],
-            rope_theta=raw.get("rope_theta") or raw["rope_parameters"]["rope_theta"],
-            block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
-            target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
-            selector_top_k=d.get("selector_top_k", 0), **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
+        layer = transformers.AutoConfig.for_model(model_type, **layer).to_dict()
+    except ValueError:
+        raise ValueError(f"{where}: transformer_layer_config has model_type {model_type!r}, which transformers "
+                         "does not know") from None
+    fields = layer_fields(layer, f"{where}: transformer_layer_config")
+    H, V, ids = fields["hidden_size"], fields["vocab_size"], raw["aux_hidden_state_layer_ids"]
+    for name, ok, why in (
+            ("sample_from_anchor", not raw.get("sample_from_anchor"), "the anchor is the verified token, never drafted"),
+            ("draft_vocab_size", raw.get("draft_vocab_size") in (None, V), f"DFlash2 drafts over all {V} tokens of "
+             "the target, not a pruned vocabulary"),
+            ("target_hidden_size", raw.get("target_hidden_size") in (None, H), f"the drafter is as wide as its "
+             f"target ({H})"),
+            ("mask_token_id", raw["mask_token_id"] is not None, "the drafter needs its MASK token"),
+            ("aux_hidden_state_layer_ids", ids and all(isinstance(i, int) and i >= 1 for i in ids),
+             "they index HF hidden_states from 1 (index 0, the embeddings, is no target layer)")):
+        if not ok:
+            raise ValueError(f"{where}: {name} = {raw.get(name)!r} is not supported: {why}")
+    # a "dflash2" config without a part's sizes means speculators' defaults, which are DFlash2Config's
+    parts = {k: raw[k] for k in DFLASH2_FIELDS if k in raw} if kind == "dflash2" else dict(conv_kernel_size=0,
+                                                                                            selector_top_k=0)
+    return dict(fields, block_size=raw["block_size"], mask_token_id=raw["mask_token_id"],
+                target_layer_ids=[i - 1 for i in ids], **parts)
+
+
+def config_fields(raw, where):
+    """config.json in either format -> DFlash2Config fields; num_target_layers only where the
+    file records it (z-lab's; speculators' config holds the drafter's layers only)."""
+    try:
+        return speculators_fields(raw, where) if "speculators_model_type" in raw else zlab_fields(raw, where)
     except (KeyError, TypeError) as e:
         raise ValueError(f"{where} lacks the key {e.args[0]!r} of a DFlash drafter config") from None
 
 
-def servable(drafter, embedding=None):
-    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
-    switched off is exported with the other as the exact identity: a convolution with
-    tap 0 = 1 and nothing else, or a selector whose zero codebooks add nothing to the
-    unary logits (the walk then picks the unary argmax at T = 0). Both off: DFlash (v1).
-    Factored codebooks (§3) are materialized as the [V, R] tables engines read, from
-    `embedding`, the target's input embedding: A = E·W_Aᵀ, Bc = E·W_Bᵀ.
-    -> a drafter that computes what `drafter` computes, with both parts or none."""
-    c, state = drafter.config, drafter.state_dict()
-    factored = bool(c.selector_top_k) and c.selector_codebooks == "factored"
-    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k and not factored):
-        return drafter
-    full = {"selector_codebooks": "free"}
-    if factored:
-        if embedding is None:
-            raise ValueError("the drafter's selector has factored codebooks: exporting it needs the target's input "
-                             "embedding (save_export(..., embedding=target.get_input_embeddings()))")
-        with torch.no_grad():  # the same F.linear on fp32 rows as CandidateSelector.edge_scores
-            E = embedding.weight.float()
-            for side in ("predecessor", "successor"):
-                W = state.pop(f"candidate_selector.{side}_projection.weight").float()
-                state[f"candidate_selector.{side}_codebook"] = F.linear(E, W)
-    if not c.conv_kernel_size:
-        taps, group = 2, c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size
-        identity = torch.zeros(2, taps, c.hidden_size)
-        identity[:, 0] = 1.0
-        for i in range(c.num_layers):
-            for part in ("attention_conv", "mlp_conv"):
-                state[f"layers.{i}.{part}.base_kernel"] = identity.clone()  # safetensors refuses shared storage
-                state[f"layers.{i}.{part}.kernel_projection.weight"] = torch.zeros(2 * taps * c.hidden_size // group,
-                                                                                   c.hidden_size)
-        full.update(conv_kernel_size=taps, conv_group_size=group)
-    if not c.selector_top_k:
-        R = c.selector_rank
-        state["candidate_selector.hidden_projection.weight"] = torch.zeros(R, c.hidden_size)
-        state["candidate_selector.predecessor_codebook"] = torch.zeros(c.vocab_size, R)
-        state["candidate_selector.successor_codebook"] = torch.zeros(c.vocab_size, R)
-        full.update(selector_top_k=min(16, c.vocab_size))
-    whole = dflash2.DFlash2Drafter(dataclasses.replace(c, **full))
+def with_parts(drafter, **parts):
+    """`drafter` with its convolution / selector set to `parts` (DFlash2Config fields): the
+    weights it keeps are drafter's, a part it gains starts at its identity init (init_weights:
+    tap 0 = 1 and nothing else; a zero successor codebook, so E = U), so the result computes
+    exactly what `drafter` computes. How a DFlash (v1) drafter warm-starts DFlash2."""
+    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, **parts))
+    whole.load_state_dict(drafter.state_dict(), strict=False)  # strict=False: the gained part is not in it
+    return whole
+
+
+def with_tables(drafter, embedding):
+    """A factored selector's codebooks (§3) as the [V, R] tables engines read, from `embedding`,
+    the target's input embedding: A = E·W_Aᵀ, Bc = E·W_Bᵀ. -> a drafter with free codebooks that
+    computes what `drafter` computes."""
+    if embedding is None:
+        raise ValueError("the drafter's selector has factored codebooks: exporting it needs the target's input "
+                         "embedding (save_export(..., embedding=target.get_input_embeddings()))")
+    state = drafter.state_dict()
+    with torch.no_grad():  # the same F.linear on fp32 rows as CandidateSelector.edge_scores
+        E = embedding.weight.float()
+        for side in ("predecessor", "successor"):
+            W = state.pop(f"candidate_selector.{side}_projection.weight").float()
+            state[f"candidate_selector.{side}_codebook"] = F.linear(E, W)
+    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"))
     whole.load_state_dict(state)
     return whole
 
 
-def save_export(drafter, path, dtype=torch.bfloat16, embedding=None):
-    """servable(drafter, embedding) as the folder `path` with config.json + model.safetensors,
-    written under a temporary name and renamed into place, world-readable (servers run as
-    other users). embedding: the target's input embedding, needed by factored codebooks only."""
+def servable(drafter, embedding=None):
+    """Engines build both DFlash2 parts for "DFlash2DraftModel", so a drafter with one part
+    switched off is exported with the other filled in at the identity (with_parts), at the
+    default size: Kc = 2 taps (G = conv_group_size, or H if that does not divide H), or K =
+    min(16, V) candidates whose codebooks and projection are all zero (no init noise in the
+    export). Both off: DFlash (v1), exported as it is. Factored codebooks are exported as
+    tables (with_tables, from `embedding`).
+    -> a drafter that computes exactly what `drafter` computes, with both parts or none."""
+    c, default = drafter.config, {f.name: f.default for f in dataclasses.fields(dflash2.DFlash2Config)}
+    if c.selector_top_k and c.selector_codebooks == "factored":
+        drafter = with_tables(drafter, embedding)
+    if not c.is_dflash2 or (c.conv_kernel_size and c.selector_top_k):
+        return drafter
+    fill = {}
+    if not c.conv_kernel_size:
+        fill.update(conv_kernel_size=default["conv_kernel_size"],
+                    conv_group_size=c.conv_group_size if c.hidden_size % c.conv_group_size == 0 else c.hidden_size)
+    if not c.selector_top_k:
+        fill.update(selector_top_k=min(default["selector_top_k"], c.vocab_size))
+    whole = with_parts(drafter, **fill)
+    if not c.selector_top_k:
+        with torch.no_grad():
+            whole.candidate_selector.hidden_projection.weight.zero_()
+            whole.candidate_selector.predecessor_codebook.zero_()
+    return whole
+
+
+def save_export(drafter, path, dtype=torch.bfloat16, export_format="z-lab", verifier=None, embedding=None):
+    """servable(drafter, embedding) as the folder `path` with config.json + model.safetensors, written
+    under a temporary name and renamed into place, world-readable (servers run as other users).
+    export_format: config.json in the z-lab layout (vLLM, SGLang, the dflash package) or in
+    vllm-project speculators' (vLLM alone, `vllm serve PATH`), which names the verifier:
+    {"name_or_path": hub id or folder, "architectures": [...]} (the z-lab layout ignores it).
+    embedding: the target's input embedding, needed by factored codebooks only."""
     from safetensors.torch import save_file
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"checkpoint dtype {dtype} must be torch.bfloat16, torch.float16 or torch.float32")
+    if export_format not in EXPORT_FORMATS:
+        raise ValueError(f"export format {export_format!r} must be one of {', '.join(EXPORT_FORMATS)}")
+    if export_format == "speculators" and not (verifier or {}).get("name_or_path"):
+        raise ValueError("the speculators format names the verifier vLLM serves the drafter with: pass "
+                         "verifier={'name_or_path': ..., 'architectures': [...]}")
     path, drafter = os.path.abspath(path), servable(drafter, embedding)
+    config = checkpoint_config(drafter.config) if export_format == "z-lab" else speculators_config(drafter.config,
+                                                                                                    verifier)
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(path) + ".tmp-", dir=os.path.dirname(path))
     try:
         save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump({**checkpoint_config(drafter.config), "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2)
+            json.dump({**config, "torch_dtype": str(dtype).removeprefix("torch.")}, f, indent=2,
+                      sort_keys=export_format == "speculators")  # as speculators (transformers) writes it
         os.chmod(tmp, 0o755)  # mkdtemp makes 0700
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
@@ -158,11 +289,13 @@ def save_export(drafter, path, dtype=torch.bfloat16, embedding=None):
         raise
 
 
-def load_export(path, dtype=torch.float32, **overrides):
-    """The DFlash2Drafter of a DFlash2 or DFlash (v1) export folder; no pickle on this path.
-    overrides: DFlash2Config fields. A v1 export loads into a v1 drafter or, with overrides
-    that switch the convolution / selector on, into a DFlash2 drafter whose new parts keep
-    their identity init (warm start)."""
+def load_export(path, dtype=torch.float32, num_target_layers=None, **overrides):
+    """The DFlash2Drafter of a DFlash2 or DFlash (v1) export folder, in the z-lab or the
+    speculators format; no pickle on this path. num_target_layers: the target's layer count,
+    which a speculators config does not record (it is then required); a z-lab export records
+    it, and a different value is refused. overrides: DFlash2Config fields. A v1 export loads
+    into a v1 drafter or, with overrides that switch the convolution / selector on, into a
+    DFlash2 drafter whose new parts keep their identity init (warm start)."""
     from safetensors.torch import load_file
     dflash2.known_fields(overrides)  # a misspelt override fails before any file is read
     cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
@@ -171,14 +304,23 @@ def load_export(path, dtype=torch.float32, **overrides):
             raise ValueError(f"{f} not found: a drafter checkpoint is a folder with config.json and model.safetensors")
     with open(cfg_file) as f:
         raw = json.load(f)
-    drafter = dflash2.DFlash2Drafter(dflash2.DFlash2Config(**{**config_fields(raw, cfg_file), **overrides}))
+    fields = config_fields(raw, cfg_file)
+    recorded = fields.setdefault("num_target_layers", num_target_layers)
+    if recorded is None:
+        raise ValueError(f"{cfg_file} is a speculators config, which does not record the target's layer count: "
+                         "pass num_target_layers (the target's num_hidden_layers) to load_export")
+    if num_target_layers not in (None, recorded):
+        raise ValueError(f"the drafter in {path} has num_target_layers {recorded} but the target has "
+                         f"{num_target_layers}: a drafter only fits the target it was trained for")
+    file_is_v1 = (fields.get("conv_kernel_size"), fields.get("selector_top_k")) == (0, 0)
+    drafter = dflash2.DFlash2Drafter(dflash2.DFlash2Config(**{**fields, **overrides}))
     try:
         tensors = load_file(weights_file)
     except Exception as e:  # a truncated file, a pickle, anything that is not safetensors
         raise ValueError(f"{weights_file} is not a readable safetensors file: {e}") from e
     expected = drafter.state_dict()
     missing = sorted(set(expected) - set(tensors))
-    if raw["architectures"][0] == "DFlashDraftModel":  # warm start: the DFlash2 parts keep their identity init
+    if file_is_v1:  # warm start: the DFlash2 parts keep their identity init
         missing = [k for k in missing if "_conv." not in k and not k.startswith("candidate_selector.")]
     unexpected = sorted(set(tensors) - set(expected))
     mis_shaped = sorted(f"{k} {tuple(tensors[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
@@ -190,9 +332,12 @@ def load_export(path, dtype=torch.float32, **overrides):
     return drafter.to(dtype)
 
 
-def serving_commands(target, export_path, block_size):
+def serving_commands(target, export_path, block_size, export_format="z-lab"):
     """How each engine serves an export: vLLM counts the B - 1 drafted tokens, SGLang the whole
-    block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device."""
+    block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device. The
+    speculators format is vLLM's alone, and its config.json already names the target and B - 1."""
+    if export_format == "speculators":
+        return [f"vllm serve {export_path}"]
     return [
         f"vllm serve {target} --speculative-config "
         f"'{{\"method\": \"dflash\", \"model\": \"{export_path}\", \"num_speculative_tokens\": {block_size - 1}}}'",
@@ -308,10 +453,11 @@ def plot_curves(out_dir):
     plt.close(fig)
 
 
-def save_checkpoint(drafter, optimizer, step, out_dir, export_dtype, meta, embedding=None):
-    """The servable export, then the resume state; each written under a temp name and renamed.
-    resume.pt holds the drafter's own parameters: factored codebooks as W_A and W_B, not tables."""
-    save_export(drafter, os.path.join(out_dir, "checkpoint"), getattr(torch, export_dtype), embedding)
+def save_checkpoint(drafter, optimizer, step, out_dir, export, meta):
+    """The servable export (export: save_export's keywords), then the resume state; each written
+    under a temp name and renamed. resume.pt holds the drafter's own parameters: factored
+    codebooks as W_A and W_B, not tables."""
+    save_export(drafter, os.path.join(out_dir, "checkpoint"), **export)
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))

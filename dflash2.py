@@ -713,8 +713,8 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
     prev, ref_h = input_ids[rows, src], hidden_states[-1][rows, src]     # (b, N, B-1), (b, N, B-1, H)
     gamma = default_gamma(B) if cfg.gamma is None else cfg.gamma
-    w_dtype = torch.promote_types(h.dtype, torch.float32)  # the logits' dtype: float64 stays float64
-    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=w_dtype) / gamma) * counted
+    logits_dtype = torch.promote_types(lm_head.weight.dtype, torch.float32)  # head_logits': fp64 stays fp64
+    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=logits_dtype) / gamma) * counted
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]

@@ -11,7 +11,6 @@ curves.png (checkpoint.py). A row's place in the data stream fixes its order and
 draws, so a resumed run repeats the uninterrupted one exactly.
 """
 import argparse
-import dataclasses
 import math
 import os
 import time
@@ -26,7 +25,7 @@ from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, ch
                      loss_sums, sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
-                        save_checkpoint, save_export, serving_commands, weights_fingerprint)
+                        save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
 from data import collate, load_rows, parse_template_kwargs, read_conversations
 from regenerate import regenerate_file
 from target import (TargetFeatures, choose_mask_token, decoding_dtype, is_gguf, load_config, load_target,
@@ -146,6 +145,9 @@ def parse_args(argv=None):
     g.add_argument("--eval-prompts", type=at_least(1), default=4, help="held-out prompts for real spec_generate AL")
     g.add_argument("--eval-new-tokens", type=at_least(1), default=96, help="tokens generated per eval prompt")
     g.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="checkpoint/ dtype")
+    g.add_argument("--export-format", default="z-lab", choices=["z-lab", "speculators"], help="checkpoint/'s "
+                   "config.json: z-lab's (vLLM, SGLang, the dflash package) or vllm-project speculators' (vLLM; "
+                   "names --target as the verifier, so `vllm serve checkpoint/` is enough); same tensors (§7)")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
     g.add_argument("--dry-run", action="store_true", help="write the untrained export of this target and drafter "
                    "shape to --out-dir/checkpoint, print the engines' serving commands for it, then exit")
@@ -363,9 +365,9 @@ def build_drafter(args, tokenizer, target_config, rows, log):
                  selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
                  selector_codebooks=args.selector_codebooks)
     if args.init_from:
-        drafter = load_export(args.init_from)
-        if not drafter.config.is_dflash2:  # DFlash (v1): add this run's convolution/selector at identity init
-            drafter = load_export(args.init_from, **parts)
+        drafter = load_export(args.init_from, num_target_layers=target_config.num_hidden_layers)
+        if not drafter.config.is_dflash2:  # DFlash (v1): this run's convolution and selector join at identity
+            drafter = with_parts(drafter, **parts)
         check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
                            target_config.vocab_size)
         return drafter
@@ -382,24 +384,41 @@ def build_drafter(args, tokenizer, target_config, rows, log):
                                                     mask_token_id=mask_token_id, **layer_ids, **parts))
 
 
-def dry_run(drafter, args, log):
+def served_target(target):
+    """The model engines serve a drafter's target from: --target, or for a GGUF file the original
+    model it was converted from, which only the user can name (ORIGINAL_MODEL)."""
+    return "ORIGINAL_MODEL" if is_gguf(target) else target
+
+
+def export_options(args, target_config, embedding=None):
+    """save_export's dtype, format and verifier (the speculators format names it) for this run;
+    embedding: the target's input embedding (factored codebooks are exported as tables of it)."""
+    return dict(dtype=getattr(torch, args.export_dtype), export_format=args.export_format,
+                verifier={"name_or_path": served_target(args.target),
+                          "architectures": list(getattr(target_config, "architectures", None) or [])},
+                embedding=embedding)
+
+
+def dry_run(drafter, args, target_config, log):
     """--dry-run: the untrained export of this target and drafter shape, to check that a serving
     engine loads it before any training; no data and no target weights are read. Factored
     codebooks' tables need the target's embedding: they are written as free tables at their init,
     which score as the untrained factored selector does (successor side 0: the unary logits)."""
     if drafter.config.selector_codebooks == "factored":
-        free = DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"))
-        free.load_state_dict(drafter.state_dict(), strict=False)  # all but W_A, W_B
-        drafter = free
+        drafter = with_parts(drafter, selector_codebooks="free")  # all but W_A, W_B
     path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
-    save_export(drafter, path, getattr(torch, args.export_dtype))
-    served = args.target
-    if is_gguf(args.target):  # engines serve a drafter's target from the original model, not a GGUF file
-        served = "ORIGINAL_MODEL"
-        log(f"--target {args.target} is a GGUF file: in the commands below put the hub id or folder of the model "
-            "it was converted from in place of ORIGINAL_MODEL (the export fits the same weights in any format)")
-    log(f"untrained export (B = {drafter.config.block_size}) in {path}; serve it with one of:")
-    for command in serving_commands(served, path, drafter.config.block_size):
+    save_export(drafter, path, **export_options(args, target_config))
+    served = served_target(args.target)
+    if served != args.target:
+        where = ("the commands below" if args.export_format == "z-lab" else
+                 "the export's config.json (speculators_config.verifier.name_or_path)")
+        log(f"--target {args.target} is a GGUF file: in {where} put the hub id or folder of the model it was "
+            "converted from in place of ORIGINAL_MODEL (the export fits the same weights in any format)")
+    engines = ("one of" if args.export_format == "z-lab" else
+               "vLLM, which reads the target from it (SGLang and the dflash package read --export-format z-lab)")
+    log(f"untrained export (B = {drafter.config.block_size}, {args.export_format} format) in {path}; serve it with "
+        f"{engines}:")
+    for command in serving_commands(served, path, drafter.config.block_size, args.export_format):
         log(command)
     return {"export": path}
 
@@ -436,7 +455,7 @@ def train(args):
     tokenizer = load_tokenizer(args.target, args.chat_template)
     target_config = load_config(args.target)
     if args.dry_run:
-        return dry_run(build_drafter(args, tokenizer, target_config, None, log), args, log)
+        return dry_run(build_drafter(args, tokenizer, target_config, None, log), args, target_config, log)
     rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, drop_bad=args.drop_bad_rows, log=log,
                      template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
     drafter = build_drafter(args, tokenizer, target_config, rows, log)
@@ -529,8 +548,8 @@ def train(args):
                                       "tokens_per_second": tokens / (now - t_log)})
             t_log, tokens = now, 0
         if master and ((args.save_every and step % args.save_every == 0) or step == total):
-            save_checkpoint(drafter, optimizer, step, args.out_dir, args.export_dtype, meta,
-                            target.get_input_embeddings())
+            save_checkpoint(drafter, optimizer, step, args.out_dir,
+                            export_options(args, target_config, target.get_input_embeddings()), meta)
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
         if master and ((args.eval_every and step % args.eval_every == 0) or step == total):
             summary = evaluate(drafter, target, tokenizer, val, args, device, log)

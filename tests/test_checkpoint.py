@@ -1,8 +1,9 @@
 """Tests of checkpoint.py's export I/O (ALGORITHM.md §7): save_export and load_export
 against the contract written out from §7 (tensor names and shapes, config.json
 keys), round trips that draft the same tokens, the export dtype, exports of drafters with a part
-off, DFlash (v1) checkpoints and the warm start from them, and what the loader refuses: fields
-dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
+off, DFlash (v1) checkpoints and the warm start from them, vllm-project speculators' format (read
+from a config written here from its field list, written, refused), and what the loader refuses:
+fields dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
 nothing half-written. Tiny random targets from transformers.Qwen3Config, nothing downloaded.
 """
 import dataclasses
@@ -260,8 +261,8 @@ def test_resume_state_keeps_the_factored_weights(tmp_path, target):
     for p in drafter.parameters():
         p.grad = torch.randn_like(p)
     optimizer.step()
-    checkpoint.save_checkpoint(drafter, optimizer, 7, tmp_path, "float32", {"target_weights": [1.0]},
-                               target.get_input_embeddings())
+    checkpoint.save_checkpoint(drafter, optimizer, 7, tmp_path,
+                               dict(dtype=torch.float32, embedding=target.get_input_embeddings()), {"target_weights": [1.0]})
     state = torch.load(tmp_path / "resume.pt", weights_only=True)
     selector = sorted(k for k in state["model"] if k.startswith("candidate_selector."))
     assert selector == [f"candidate_selector.{n}_projection.weight" for n in ("hidden", "predecessor", "successor")], \
@@ -340,6 +341,140 @@ def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
     assert out_warm.tolist() == out_v1.tolist() and stats_warm.acceptance_lengths == stats_v1.acceptance_lengths, (
         f"warm start: {out_warm.tolist()} with acceptance lengths {stats_warm.acceptance_lengths}, "
         f"v1: {out_v1.tolist()} with {stats_v1.acceptance_lengths}")
+
+
+# -----------------------------------------------------------------------------
+# vllm-project speculators' format: read, written, refused
+
+VERIFIER = {"name_or_path": "tiny/qwen3-target", "architectures": ["Qwen3ForCausalLM"]}
+LAYER = {"model_type": "qwen3", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "hidden_act": "silu",
+         "attention_bias": False, "rms_norm_eps": 1e-06, "rope_theta": 10000.0,
+         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "vocab_size": 32,
+         "max_position_embeddings": 512, "tie_word_embeddings": False}
+ZLAB_CONFIG = {"architectures": ["DFlash2DraftModel"], **LAYER, "num_target_layers": 3, "block_size": 5,
+               "dflash_config": {"block_size": 5, "mask_token_id": 31, "target_layer_ids": [0, 1], "conv_kernel_size": 2,
+                                 "conv_group_size": 8, "selector_rank": 4, "selector_top_k": 4},
+               "torch_dtype": "float32"}
+SPECULATORS_CONFIG = {  # the checkpoint drafter as speculators 0.9.0 writes it: aux ids = target_layer_ids + 1
+    "architectures": ["DFlash2DraftModel"], "auto_map": {"": "config.DFlash2SpeculatorConfig"},
+    "aux_hidden_state_layer_ids": [1, 2], "block_size": 5, "conv_group_size": 8, "conv_kernel_size": 2,
+    "draft_vocab_size": 32, "mask_token_id": 31, "sample_from_anchor": False, "selector_rank": 4, "selector_top_k": 4,
+    "sliding_window_non_causal": True,
+    "speculators_config": {"algorithm": "dflash2", "default_proposal_method": "greedy",
+                           "proposal_methods": [{"accept_tolerance": 0.0, "proposal_type": "greedy",
+                                                 "speculative_tokens": 4, "verifier_accept_k": 1}],
+                           "verifier": {"architectures": ["Qwen3ForCausalLM"], "name_or_path": "tiny/qwen3-target"}},
+    "speculators_model_type": "dflash2", "speculators_version": "0.9.0", "target_hidden_size": 32,
+    "tie_word_embeddings": False, "transformer_layer_config": LAYER, "torch_dtype": "float32"}
+
+
+def shape_of(config):
+    """The config's fields, less conv_group_size and selector_rank for a v1 drafter (§7: they
+    matter only for a part that is on, and a v1 config.json holds neither)."""
+    return {k: v for k, v in dataclasses.asdict(config).items()
+            if config.is_dflash2 or k not in ("conv_group_size", "selector_rank")}
+
+
+def speculators_checkpoint(path, saved_checkpoint, **edits):
+    """A folder as speculators writes it: SPECULATORS_CONFIG (with edits; None drops a key) beside
+    the z-lab export's model.safetensors, the tensor names of both formats being the same."""
+    path.mkdir()
+    shutil.copy(saved_checkpoint / "model.safetensors", path)
+    config = {k: v for k, v in {**SPECULATORS_CONFIG, **edits}.items() if v is not None}
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_a_speculators_checkpoint_decodes_as_the_same_drafters_z_lab_export(tmp_path, saved_checkpoint, target):
+    """A config.json written from speculators' field list, over the z-lab export's tensors: the
+    same drafter, so spec_generate at T = 0 gives the same tokens in the same acceptance lengths."""
+    zlab = checkpoint.load_export(saved_checkpoint)
+    theirs = checkpoint.load_export(speculators_checkpoint(tmp_path / "spec", saved_checkpoint), num_target_layers=3)
+    assert theirs.config == zlab.config, f"speculators config read as {theirs.config}, z-lab as {zlab.config}"
+    prompt = torch.tensor([[11, 30, 2, 2, 8, 19]])
+    (out, stats), (want, want_stats) = (spec_generate(d, target, prompt, 20) for d in (theirs, zlab))
+    assert out.tolist() == want.tolist() and stats.acceptance_lengths == want_stats.acceptance_lengths, (
+        f"speculators checkpoint: {out.tolist()} with acceptance lengths {stats.acceptance_lengths}, "
+        f"z-lab export: {want.tolist()} with {want_stats.acceptance_lengths}")
+    assert max(stats.acceptance_lengths) > 1, f"acceptance lengths {stats.acceptance_lengths}: nothing drafted was kept"
+
+
+def test_a_speculators_dflash_v1_checkpoint_loads_as_v1(tmp_path, target):
+    v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
+    checkpoint.save_export(v1, tmp_path / "v1", dtype=torch.float32)
+    v1_config = {k: v for k, v in SPECULATORS_CONFIG.items() if k not in checkpoint.DFLASH2_FIELDS}
+    v1_config.update(architectures=["DFlashDraftModel"], auto_map={"": "config.DFlashSpeculatorConfig"},
+                     speculators_model_type="dflash", sliding_window_non_causal=False,
+                     speculators_config={**SPECULATORS_CONFIG["speculators_config"], "algorithm": "dflash"})
+    edit_config(tmp_path / "v1", lambda c: (c.clear(), c.update(v1_config)))
+    loaded = checkpoint.load_export(tmp_path / "v1", num_target_layers=3)
+    assert shape_of(loaded.config) == shape_of(v1.config), f"speculators dflash read as {loaded.config}, not {v1.config}"
+    inputs = draft_inputs(v1, target)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(v1, target, inputs, 0.0), "speculators v1")
+
+
+@pytest.mark.parametrize("dflash2", [True, False], ids=["dflash2", "v1"])
+@pytest.mark.parametrize("export_format", ["z-lab", "speculators"])
+def test_round_trip_in_both_formats_writes_the_expected_config(tmp_path, target, export_format, dflash2):
+    drafter = checkpoint_drafter(target, **({} if dflash2 else dict(conv_kernel_size=0, selector_top_k=0)))
+    checkpoint.save_export(drafter, tmp_path / "ckpt", torch.float32, export_format=export_format, verifier=VERIFIER)
+    want = dict(ZLAB_CONFIG if export_format == "z-lab" else SPECULATORS_CONFIG)
+    if not dflash2 and export_format == "z-lab":
+        want.update(architectures=["DFlashDraftModel"], dflash_config={"block_size": 5, "mask_token_id": 31,
+                                                                      "target_layer_ids": [0, 1]})
+    elif not dflash2:
+        want = {k: v for k, v in want.items() if k not in checkpoint.DFLASH2_FIELDS}
+        want.update(architectures=["DFlashDraftModel"], auto_map={"": "config.DFlashSpeculatorConfig"},
+                    speculators_model_type="dflash", sliding_window_non_causal=False,
+                    speculators_config={**want["speculators_config"], "algorithm": "dflash"})
+    got = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    assert got == want, f"{export_format} config.json differs in {sorted(k for k in {*got, *want} if got.get(k) != want.get(k))}"
+    loaded = checkpoint.load_export(tmp_path / "ckpt", num_target_layers=3)
+    assert shape_of(loaded.config) == shape_of(drafter.config), (
+        f"{export_format} round trip: {loaded.config} != {drafter.config}")
+    inputs = draft_inputs(drafter, target)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(drafter, target, inputs, 0.0),
+                       f"{export_format} round trip")
+
+
+SPECULATORS_REFUSED = {  # edit of SPECULATORS_CONFIG -> what the one-line message must name
+    "unknown field": (dict(projector_type="domino"), "projector_type is not a field of a speculators 'dflash2' config"),
+    "DFlash2 field in a v1 config": (dict(speculators_model_type="dflash"), "conv_group_size, conv_kernel_size, "
+                                     "selector_rank, selector_top_k is not a field of a speculators 'dflash'"),
+    "another algorithm": (dict(speculators_model_type="eagle3"), "speculators_model_type 'eagle3' is not a DFlash"),
+    "sample_from_anchor": (dict(sample_from_anchor=True), "sample_from_anchor = True is not supported"),
+    "pruned vocabulary": (dict(draft_vocab_size=16), "draft_vocab_size = 16 is not supported"),
+    "other target width": (dict(target_hidden_size=64), "target_hidden_size = 64 is not supported"),
+    "embedding layer": (dict(aux_hidden_state_layer_ids=[0, 2]), r"aux_hidden_state_layer_ids = \[0, 2\] is not"),
+    "no mask token": (dict(mask_token_id=None), "lacks the key 'mask_token_id'"),
+    "sliding layers": (dict(transformer_layer_config={**LAYER, "layer_types": ["sliding_attention"] * 2}),
+                       "transformer_layer_config: layer_types = .* is not supported"),
+}
+
+
+@pytest.mark.parametrize("case", SPECULATORS_REFUSED)
+def test_a_speculators_field_that_cannot_be_honoured_is_refused_by_name(tmp_path, saved_checkpoint, case):
+    edits, match = SPECULATORS_REFUSED[case]
+    path = speculators_checkpoint(tmp_path / "spec", saved_checkpoint, **edits)
+    with pytest.raises(ValueError, match=match) as refused:
+        checkpoint.load_export(path, num_target_layers=3)
+    assert "\n" not in str(refused.value), f"{case}: the refusal is not one line: {refused.value}"
+
+
+def test_the_target_layer_count_is_required_for_speculators_and_checked_for_z_lab(tmp_path, saved_checkpoint):
+    with pytest.raises(ValueError, match="does not record the target's layer count: pass num_target_layers"):
+        checkpoint.load_export(speculators_checkpoint(tmp_path / "spec", saved_checkpoint))
+    with pytest.raises(ValueError, match="has num_target_layers 3 but the target has 4"):
+        checkpoint.load_export(saved_checkpoint, num_target_layers=4)
+
+
+def test_a_speculators_export_without_a_verifier_is_refused_before_writing(tmp_path, target):
+    with pytest.raises(ValueError, match="the speculators format names the verifier"):
+        checkpoint.save_export(checkpoint_drafter(target), tmp_path / "ckpt", export_format="speculators")
+    with pytest.raises(ValueError, match="export format 'hf' must be one of z-lab, speculators"):
+        checkpoint.save_export(checkpoint_drafter(target), tmp_path / "ckpt", export_format="hf")
+    assert not (tmp_path / "ckpt").exists(), "a refused export left a folder"
 
 
 # -----------------------------------------------------------------------------

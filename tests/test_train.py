@@ -178,6 +178,22 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
         assert (table - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(table - want).abs().max():.3g}"
 
 
+def test_speculators_dry_run_names_the_target_and_init_from_reads_it_back(world, tmp_path, capsys):
+    """--export-format speculators: config.json names --target as the verifier (vLLM serves the
+    folder alone), the dry run prints that command, and --init-from reads the export back."""
+    out = tmp_path / "dry"
+    train.train(args_for(world, out, "--num-layers", "1", "--export-format", "speculators", "--dry-run"))
+    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]
+    assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
+        f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
+    printed = capsys.readouterr().out
+    assert f"vllm serve {(out / 'checkpoint').absolute()}\n" in printed, printed
+    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out / "checkpoint")))
+    c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
+    assert c.num_layers == 1, f"--init-from a speculators export trained {c}"
+
+
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = train.loss_from_sums, []
 
