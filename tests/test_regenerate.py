@@ -5,29 +5,24 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import regenerate
 import tiny_world
-from conftest import plain_greedy
+from conftest import plain_greedy, tiny_qwen3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def target():
     """A tiny random Qwen3 in float64 (so cached, padded and plain forwards agree to the last
     bit) whose eos row is scaled up so that some answers stop early and others run to the limit."""
     tokenizer = tiny_world.build_tiny_tokenizer()
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
-                      initializer_range=0.5, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen3ForCausalLM(cfg).double().eval()
+    model = tiny_qwen3(len(tokenizer), head_dim=16, initializer_range=0.5, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= 3
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small runs ~10x slower when its threads fight for a busy CPU
-    yield model, tokenizer
-    torch.set_num_threads(threads)
-
+    return model, tokenizer
 
 
 CHATS = [

@@ -1,7 +1,7 @@
-"""Shared builders and fixtures of the tests in this folder: tiny random Qwen3 targets built
-from a transformers config (nothing downloaded), random DFlash2 drafters for them, the
-single-thread fixture that tiny models need on a busy CPU, the chi-square test of a sampler's law, and
-the plain greedy loop that regeneration is checked against."""
+"""Shared builders and fixtures of the tests, test_dflash2.py's and those in tests/: tiny random
+Qwen3 targets built from a transformers config (nothing downloaded), random DFlash2 drafters for
+them, the single-thread fixture that tiny models need on a busy CPU, the chi-square test of a
+sampler's law, and the plain greedy loop that regeneration is checked against."""
 import numpy as np
 import pytest
 import torch
