@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import checkpoint
 import target
 import train
-from conftest import plain_greedy
+from conftest import plain_greedy, tiny_drafter, tiny_qwen3
 from dflash2 import spec_generate, target_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -102,6 +102,28 @@ def test_mask_token_flag_tokenizer_mask_and_free_rows():
     # ... unless it lies outside the embedding table: then the added-token rule applies
     got = target.choose_mask_token(None, masked, 262, used_ids=[IM_START])
     assert got[0] == REPO_NAME, f"<|mask|> 262 outside a table of 262 rows: chose {got}, expected {REPO_NAME}"
+
+
+def test_mask_token_is_never_the_unk_token():
+    """Llama-2's and Mistral's tokenizers have an added unk token (<unk>, id 0): unknown text maps
+    to it, so its row is no free row."""
+    with_unk = byte_tokenizer(pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<|im_start|>")
+    assert with_unk.unk_token_id == IM_START, f"unk token {with_unk.unk_token_id}, the test wants {IM_START}"
+    got = target.choose_mask_token(None, with_unk, len(with_unk))
+    assert got[0] == REPO_NAME, f"unk <|im_start|>: chose {got}, expected {REPO_NAME} <repo_name>"
+
+
+def test_mask_token_refuses_added_tokens_beyond_the_embedding_table():
+    """A table of 259 rows holds the bytes, <|endoftext|>, <|im_start|> and <|im_end|>: the added
+    tokens after them have no embedding row, so nothing is left and the refusal names the three."""
+    tokenizer = byte_tokenizer()
+    with pytest.raises(ValueError) as refused:
+        target.choose_mask_token(None, tokenizer, IM_END + 1, used_ids=[IM_START])
+    message = str(refused.value)
+    named = [f"{i} {name!r}" for i, name in zip(range(256, 262), SPECIALS)]
+    assert message.startswith("no free mask token:") and "\n" not in message, message
+    assert all(n in message for n in named[:3]) and not any(n in message for n in named[3:]), \
+        f"the refusal should name candidates {named[:3]} only: {message}"
 
 
 # -----------------------------------------------------------------------------
@@ -329,3 +351,16 @@ def test_gguf_dry_run_writes_an_export_and_serving_commands_for_the_original_mod
     assert all("ORIGINAL_MODEL" in c and path not in c for c in commands), "\n".join(commands)
     assert "put the hub id or folder of the model it was converted from in place of ORIGINAL_MODEL" in printed, printed
     assert not (tmp_path / "cache").exists(), "a dry run on a GGUF built the offline world"
+
+
+def test_dry_run_on_an_upper_case_gguf_name_prints_original_model(tmp_path):
+    """A GGUF file is a GGUF file whatever the case of its suffix: the serving commands name
+    ORIGINAL_MODEL, never the file (engines do not serve a drafter's target from it)."""
+    path = tmp_path / "Model.Q4_1.GGUF"
+    path.write_bytes(b"GGUF")
+    drafter = tiny_drafter(tiny_qwen3(64))
+    logs = []
+    train.dry_run(drafter, train.parse_args(["--target", str(path), "--dry-run", "--out-dir", str(tmp_path / "out"),
+                                             "--export-dtype", "float32"]), logs.append)
+    commands = [line for line in logs if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
+    assert len(commands) == 3 and all("ORIGINAL_MODEL" in c and str(path) not in c for c in commands), "\n".join(logs)
