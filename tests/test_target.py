@@ -204,6 +204,26 @@ def test_regenerate_answers_every_prompt_with_the_targets_greedy_continuation(ll
     assert any(stopped) and not all(stopped), f"the test target should stop early on some prompts only: {stopped}"
 
 
+def test_regenerate_renders_with_the_chat_template_flag(llama, tmp_path):
+    """--regenerate answers the prompts as --chat-template renders them, not as the tokenizer's
+    own template does."""
+    template = "{{ '<|im_start|>system\\nAnswer in French.<|im_end|>\\n' }}" + CHATML
+    (tmp_path / "t.jinja").write_text(template)
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
+                                       "--chat-template", str(tmp_path / "t.jinja"), "--regen-max-new-tokens", "6"]),
+                     log=lambda *a: None)
+    got = [json.loads(line)["messages"][1]["content"] for line in out.read_text().split("\n")[:-1]]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama["path"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama["path"], dtype=torch.float32).eval()
+    own = [plain_greedy(model, tokenizer, [{"role": "user", "content": p}], 6)[0] for p in PROMPTS]
+    tokenizer.chat_template = template
+    want = [plain_greedy(model, tokenizer, [{"role": "user", "content": p}], 6)[0] for p in PROMPTS]
+    assert want != own, f"both templates give the answers {want}: the test would not see which one rendered"
+    assert got == want, f"regenerated {got}; the target's greedy answers under --chat-template are {want}"
+
+
 def test_training_picks_the_lowest_free_added_token_and_exports_a_drafter_that_decodes_as_the_target(
         llama, regenerated, tmp_path, capsys):
     out = tmp_path / "out"
