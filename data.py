@@ -449,11 +449,11 @@ def own_text(tokenizer, messages, j, text, kw, facts):
 def generation_start(tokenizer, messages, i, text, own_spans, kw, facts):
     """Where the target takes over assistant turn i in `text`: the turn's prompt (messages[:i] and
     the generation prompt, as a server renders it) is laid over `text` from the end of the last
-    earlier message whose own text both hold; where they part (or where the turn's own text
-    starts), the target starts. So the header, the generation prompt (with Qwen3's empty think
-    block under enable_thinking=false) and a user turn's closing are prompt, while text the prompt
-    does not hold is generated: harmony's <|channel|>...<|message|>, the space Mistral's template
-    writes before an answer."""
+    earlier message whose own text both hold; where they part, the target starts. So the header,
+    the generation prompt (Qwen3's empty think block under enable_thinking=false, a Thinking
+    template's `<think>\\n`) and a user turn's closing are prompt, also where `text` renders them
+    inside the turn's own text; text the prompt does not hold is generated: harmony's
+    <|channel|>...<|message|>, the space Mistral's template writes before an answer."""
     try:
         prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
     except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
@@ -468,7 +468,7 @@ def generation_start(tokenizer, messages, i, text, own_spans, kw, facts):
             if span is not None:
                 in_text, in_prompt = own_spans[j][1], span[1]
                 break
-    return in_text + common_prefix(text[in_text:own_spans[i][0]], prompt[in_prompt:])
+    return in_text + common_prefix(text[in_text:], prompt[in_prompt:])
 
 
 def assistant_spans(tokenizer, messages, text, enc, facts, kw):
