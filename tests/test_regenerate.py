@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+import transformers
 
 import regenerate
 import tiny_world
@@ -61,6 +62,26 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(target):
         assert calls[-1] == (9, 9), f"progress calls {calls}, expected to end at (9, 9): 7 assistant turns, 2 last " \
             "user turns answered"
     assert CHATS == before, "regenerate_conversations modified its input"
+
+
+def test_batched_positions_count_real_tokens_only_on_a_target_without_rope():
+    """GPT-2 adds a learned embedding of each absolute position: a left-padded row whose positions
+    counted its padding would see other embeddings (RoPE targets cannot tell, only differences
+    of positions reach their attention). Reference: each prompt alone, argmax over full forwards."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     initializer_range=0.5, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    want = []
+    for prompt in prompts:
+        new = []
+        with torch.no_grad():
+            while len(new) < 6 and (tok := int(model(torch.tensor([prompt + new])).logits[0, -1].argmax())) != 0:
+                new.append(tok)
+        want.append(new)
+    got = regenerate.generate(model, prompts, {0}, 6, 0.0, None, pad_id=0)
+    assert got == want, f"batched, left-padded decoding {got}; each prompt alone {want}"
 
 
 def test_sampling_is_seeded_by_the_generator(target):
