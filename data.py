@@ -436,88 +436,87 @@ def with_sentinels(messages, j):
     return [*messages[:j], m, *messages[j + 1:]], marks
 
 
+def own_text(tokenizer, messages, j, text, kw, facts):
+    """Message j's own text (its content, reasoning, tool calls) in `text`, the render of all
+    `messages`: -> (span, probe, marks), `span` the (start, end) of `text` that changes when they
+    are replaced by sentinels (None when the template renders none of them), `probe` that render
+    and `marks` the sentinels (with_sentinels)."""
+    variant, marks = with_sentinels(messages, j)
+    probe = render(tokenizer, variant, kw, facts)
+    return changed_region(text, probe), probe, marks
+
+
+def generation_start(tokenizer, messages, i, text, own_spans, kw, facts):
+    """Where the target takes over assistant turn i in `text`: the turn's prompt (messages[:i] and
+    the generation prompt, as a server renders it) is laid over `text` from the end of the last
+    earlier message whose own text both hold; where they part, the target starts. So the header,
+    the generation prompt (Qwen3's empty think block under enable_thinking=false, a Thinking
+    template's `<think>\\n`) and a user turn's closing are prompt, also where `text` renders them
+    inside the turn's own text; text the prompt does not hold is generated: harmony's
+    <|channel|>...<|message|>, the space Mistral's template writes before an answer."""
+    try:
+        prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
+    except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
+        if i:
+            raise
+        return own_spans[i][0]  # then the turn starts at its own text
+    in_text = in_prompt = 0  # the end of that earlier message's own text, in `text` and in `prompt`
+    for j in range(i - 1, -1, -1):
+        if own_spans[j] is not None:
+            variant, _ = with_sentinels(messages[:i], j)
+            span = changed_region(prompt, render(tokenizer, variant, kw, facts, add_generation_prompt=True))
+            if span is not None:
+                in_text, in_prompt = own_spans[j][1], span[1]
+                break
+    return in_text + common_prefix(text[in_text:], prompt[in_prompt:])
+
+
 def assistant_spans(tokenizer, messages, text, enc, facts, kw):
     """-> ([(start, end)], n): character spans of `text`, the render of all `messages` (`enc` its
     tokenization with offsets), that are loss text, and the number of assistant turns whose
     reasoning the template does not render.
 
     The loss text of an assistant turn is what the target generates for it (ALGORITHM.md §6):
-    from where the generation prompt ends to the end of the turn's last end-of-turn token.
-    - The turn's own text (content, reasoning, tool calls) is where `text` changes when they are
-      replaced by sentinels. A tool call that does not come out is an error: its tokens, what the
-      target generates, would be missing.
-    - Start: the prompt for the turn, render(messages[:i]) + generation prompt, is laid over
-      `text` from the end of the previous message's own text; where they part (or where the turn's
-      own text starts) the target takes over. So the header, the generation prompt (with Qwen3's
-      empty think block under enable_thinking=false) and a user turn's closing are prompt, while
-      text the prompt does not hold is generated: harmony's <|channel|>...<|message|>, the space
-      Mistral's template writes before an answer.
-    - End: the last end-of-turn token (facts["ends"]) between the turn's own text and the next
-      rendered message's own text, or the next turn's start when that is an assistant turn too
-      (its header is prompt); the newline a template writes after it is not trained.
+    from where its prompt ends (generation_start) to the end of the turn's last end-of-turn token.
+    - The turn's own text (own_text) must hold every tool call: the tokens of one that does not
+      come out, what the target generates, would be missing.
+    - End: the last end-of-turn token (facts["ends"]) between the end of the turn's own text and
+      the start of the next rendered message's own text, or the next turn's start when that is an
+      assistant turn too (its header is prompt); the newline a template writes after it is not
+      trained.
     Nothing here assumes that earlier renders are prefixes of later ones: Mistral moves the system
     prompt into the last user turn, Qwen3 and harmony drop the reasoning of earlier turns."""
-    regions = {}
-
-    def region(j):  # (start, end) of message j's own text in `text`, None when the template drops it
-        if j not in regions:
-            variant, marks = with_sentinels(messages, j)
-            probe = render(tokenizer, variant, kw, facts)
-            regions[j] = changed_region(text, probe), probe, marks
-        return regions[j]
-
-    starts = {}
-
-    def start_of(i):  # where assistant turn i's prompt stops matching `text`; its own text starts at p
-        if i not in starts:
-            p = region(i)[0][0]
-            try:
-                prompt = render(tokenizer, messages[:i], kw, facts, add_generation_prompt=True)
-            except Exception:  # a generation prompt for no messages at all breaks templates that read messages[0]
-                if i:
-                    raise
-                prompt = text[:p]  # then the turn starts at its own text
-            at, at_prompt = 0, 0  # the end of the previous message's own text, in `text` and in `prompt`
-            for j in range(i - 1, -1, -1):
-                if region(j)[0] is not None:
-                    variant, _ = with_sentinels(messages[:i], j)
-                    in_prompt = changed_region(prompt, render(tokenizer, variant, kw, facts,
-                                                              add_generation_prompt=True))
-                    if in_prompt is not None:
-                        at, at_prompt = region(j)[0][1], in_prompt[1]
-                        break
-            starts[i] = at + common_prefix(text[at:p], prompt[at_prompt:])
-        return starts[i]
-
-    spans, unrendered, prev_end = [], 0, 0
-    ends = facts["ends"]
-    for i, m in enumerate(messages):
-        if m["role"] != "assistant":
-            continue
-        where, probe, marks = region(i)
-        for k, call in enumerate(m.get("tool_calls", [])):
+    own = [own_text(tokenizer, messages, j, text, kw, facts) for j in range(len(messages))]
+    own_spans = [span for span, _, _ in own]
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    unrendered = 0
+    for i in turns:
+        span, probe, marks = own[i]
+        for k, call in enumerate(messages[i].get("tool_calls", [])):
             if marks[k] not in probe:
                 raise ValueError(f"messages[{i}].tool_calls[{k}] ({call.get('function', call)['name']}): the chat "
                                  f"template does not render this tool call, so the tokens the target generates for "
                                  f"it cannot be trained")
         unrendered += "reasoning" in marks and marks["reasoning"] not in probe
-        if where is None:
+        if span is None:
             raise ValueError(f"messages[{i}]: the chat template renders nothing of this assistant turn")
-        p, e = where
-        start = max(start_of(i), prev_end)
-        after = next((j for j in range(i + 1, len(messages)) if region(j)[0] is not None), None)
-        bound = len(text) if after is None else region(after)[0][0]
-        if after is not None and messages[after]["role"] == "assistant" and start_of(after) > e:
+    starts = {i: generation_start(tokenizer, messages, i, text, own_spans, kw, facts) for i in turns}
+    end_tokens = [(a, b) for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t in facts["ends"]]
+    spans, prev_end = [], 0
+    for i in turns:
+        own_end = own_spans[i][1]
+        following = next((j for j in range(i + 1, len(messages)) if own_spans[j] is not None), None)
+        bound = len(text) if following is None else own_spans[following][0]
+        if following in starts and starts[following] > own_end:
             # two assistant turns in a row: the second one's header and generation prompt lie between them,
             # and the second one's think block holds </think>, which the reasoning probe counts as an end
-            bound = min(bound, start_of(after))
-        end = max((b for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"]) if t in ends and a >= e and
-                   b <= bound), default=None)
+            bound = min(bound, starts[following])
+        end = max((b for a, b in end_tokens if a >= own_end and b <= bound), default=None)
         if end is None:
             raise ValueError(f"messages[{i}]: no end-of-turn token (one of "
-                             f"{', '.join(map(repr, tokenizer.convert_ids_to_tokens(sorted(ends))))}) after this "
-                             f"assistant turn in the chat template's render")
-        spans.append((start, end))
+                             f"{', '.join(map(repr, tokenizer.convert_ids_to_tokens(sorted(facts['ends']))))}) "
+                             f"after this assistant turn in the chat template's render")
+        spans.append((max(starts[i], prev_end), end))
         prev_end = end
     return spans, unrendered
 

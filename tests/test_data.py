@@ -310,6 +310,18 @@ def test_missing_file_directory_bad_parquet_and_parquet_row(tmp_path):
         data.read_conversations(str(tmp_path / "p.parquet"))
 
 
+def test_a_row_to_regenerate_may_be_a_prompt_with_a_system_turn(tmp_path):
+    """Rows to regenerate (need_answer=False) need no assistant turn when they end with a user
+    turn, whatever comes before it; one that ends otherwise is refused."""
+    system, user = {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}
+    rows = [[system, user], [user], [system, user, *CHAT]]
+    got = data.read_conversations(write(tmp_path / "p.jsonl", [{"messages": r} for r in rows]), need_answer=False)
+    assert got == rows, f"read\n{got}\nexpected\n{rows}"
+    with pytest.raises(ValueError, match=r"^\S+u\.jsonl: line 1: messages: no assistant turn \(roles: user, system\); "
+                                         r"a row to regenerate needs one, or must end with a user turn$"):
+        data.read_conversations(write(tmp_path / "u.jsonl", [{"messages": [user, system]}]), need_answer=False)
+
+
 def test_drop_bad_counts_and_prints_what_it_drops(tmp_path):
     rows = [{"messages": CHAT}, {"messages": [{"role": "bot", "content": "x"}, CHAT[1]]}, '{"messages":',
             {"messages": [CHAT[0], {"role": "assistant"}]}, {"messages": [{"role": "chatgpt", "content": "x"}]},

@@ -403,6 +403,25 @@ def test_top_p_at_an_exact_tie_keeps_the_tokens_whose_mass_before_is_below_it(to
     assert p == want, f"top-p {top_p} over four equal logits gives {p}, want {want}"
 
 
+@pytest.mark.parametrize("ties", [17, 40])
+def test_top_p_inside_a_tie_of_many_equal_logits_keeps_the_lowest_ids(ties):
+    """Sorts of more than 16 elements need not keep equal values in order: top-p that cuts a tie
+    of 17 or more equal logits keeps the lowest ids of the tie, as the brute force's stable sort
+    does. The tied ids are spread among lower logits; top-p 0.52 cuts the tie about halfway,
+    far from any rounding."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.rand(2 * ties, generator=g, dtype=torch.float64) - 9  # each about e^-8.5 of a tied one
+    logits[torch.randperm(2 * ties, generator=g)[:ties]] = 0.0
+    got = sampling_probs(logits, 1.0, top_p=0.52)
+    want = brute_force_probs(logits.tolist(), 1.0, 0.52, 0)
+    tied = (logits == 0).nonzero()[:, 0].tolist()
+    assert 0 < (want > 0).sum() < ties, f"top-p keeps {(want > 0).sum()} tokens: it should cut the tie of {ties}"
+    assert (got > 0).nonzero()[:, 0].tolist() == (want > 0).nonzero()[:, 0].tolist(), \
+        f"{ties} tied logits at ids {tied}: top-p keeps ids {(got > 0).nonzero()[:, 0].tolist()}, the lowest tied " \
+        f"ids are {(want > 0).nonzero()[:, 0].tolist()}"
+    assert (got - want).abs().max() < 1e-12, f"differs from brute force by {(got - want).abs().max():.3g}"
+
+
 # -----------------------------------------------------------------------------
 # the whole loop samples the target's law (chi-square over the first 3 tokens)
 

@@ -5,29 +5,25 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
+import transformers
 
 import regenerate
 import tiny_world
-from conftest import plain_greedy
+from conftest import plain_greedy, tiny_qwen3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def target():
     """A tiny random Qwen3 in float64 (so cached, padded and plain forwards agree to the last
     bit) whose eos row is scaled up so that some answers stop early and others run to the limit."""
     tokenizer = tiny_world.build_tiny_tokenizer()
-    torch.manual_seed(0)
-    cfg = Qwen3Config(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False,
-                      initializer_range=0.5, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    model = Qwen3ForCausalLM(cfg).double().eval()
+    model = tiny_qwen3(len(tokenizer), head_dim=16, initializer_range=0.5, pad_token_id=tokenizer.pad_token_id,
+                       eos_token_id=tokenizer.eos_token_id)
     with torch.no_grad():
         model.lm_head.weight[tokenizer.eos_token_id] *= 3
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a model this small runs ~10x slower when its threads fight for a busy CPU
-    yield model, tokenizer
-    torch.set_num_threads(threads)
-
+    return model, tokenizer
 
 
 CHATS = [
@@ -66,6 +62,26 @@ def test_regenerated_turns_are_the_targets_greedy_continuations(target):
         assert calls[-1] == (9, 9), f"progress calls {calls}, expected to end at (9, 9): 7 assistant turns, 2 last " \
             "user turns answered"
     assert CHATS == before, "regenerate_conversations modified its input"
+
+
+def test_batched_positions_count_real_tokens_only_on_a_target_without_rope():
+    """GPT-2 adds a learned embedding of each absolute position: a left-padded row whose positions
+    counted its padding would see other embeddings (RoPE targets cannot tell, only differences
+    of positions reach their attention). Reference: each prompt alone, argmax over full forwards."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=50, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+                                     initializer_range=0.5, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double().eval()
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12]]
+    want = []
+    for prompt in prompts:
+        new = []
+        with torch.no_grad():
+            while len(new) < 6 and (tok := int(model(torch.tensor([prompt + new])).logits[0, -1].argmax())) != 0:
+                new.append(tok)
+        want.append(new)
+    got = regenerate.generate(model, prompts, {0}, 6, 0.0, None, pad_id=0)
+    assert got == want, f"batched, left-padded decoding {got}; each prompt alone {want}"
 
 
 def test_sampling_is_seeded_by_the_generator(target):
@@ -135,6 +151,92 @@ def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target
                          template_kwargs=None, log=logs.append)
     assert json.loads(out.read_text()) == {"messages": want, "tools": tools}, out.read_text()
     assert any("1 assistant turns with tool calls are kept as they are" in l for l in logs), logs
+
+
+def test_regeneration_stops_at_every_eos_id_of_the_generation_config(target, monkeypatch):
+    """A target's generation_config may list several eos ids (Llama 3 lists <|eot_id|> and
+    <|end_of_text|>): decoding stops at each of them, not only at the tokenizer's eos."""
+    model, tokenizer = target
+    text, _ = plain_greedy(model, tokenizer, CHATS[0][:1], 12)
+    stop = tokenizer(text, add_special_tokens=False)["input_ids"][3]  # a token of its answer (checked below)
+    eos = [tokenizer.eos_token_id, stop]
+    monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
+    want, cut = [], 0
+    for chat in CHATS:
+        chat = [dict(m) for m in chat] + [{"role": "assistant"}] * (chat[-1]["role"] == "user")
+        for i, m in enumerate(chat):
+            if m["role"] == "assistant":
+                chat[i] = {"role": "assistant", "content": plain_greedy(model, tokenizer, chat[:i], 12, {stop})[0]}
+                cut += chat[i]["content"] != plain_greedy(model, tokenizer, chat[:i], 12)[0]
+        want.append(chat)
+    assert cut, f"no answer holds token {stop}: the test would not see it stop decoding"
+    got = regenerate.regenerate_conversations(model, tokenizer, CHATS, max_new_tokens=12, batch_size=4)
+    for c, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"generation_config eos {eos}, conversation {c}: regenerated\n{g}\nplain greedy\n{w}"
+
+
+def test_a_regenerated_turn_drops_every_reasoning_field(target):
+    """The new content holds the target's own reasoning as it writes it: the old reasoning goes,
+    under each of its names; the turn's other fields stay."""
+    model, tokenizer = target
+    chat = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "old", "reasoning": "r1"},
+            {"role": "user", "content": "u2"}, {"role": "assistant", "content": "old", "thinking": "r2", "weight": 2},
+            {"role": "user", "content": "u3"}, {"role": "assistant", "content": "old", "reasoning_content": "r3"}]
+    got = regenerate.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=4)[0]
+    kept = [sorted(m) for m in got]
+    want = [["content", "role"]] * 3 + [["content", "role", "weight"]] + [["content", "role"]] * 2
+    assert kept == want, f"fields of the regenerated conversation {kept}, expected {want}: {got}"
+
+
+def test_a_row_that_ends_with_a_tool_result_gets_no_answer_turn(target):
+    """Only a last user turn asks for an answer: after a tool result, the next assistant turn
+    would answer results regeneration cannot check, so the row stays as it is."""
+    model, tokenizer = target
+    chat = [{"role": "user", "content": "weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "id": "abcdefghi",
+                                                                  "function": {"name": "get", "arguments": "{}"}}]},
+            {"role": "tool", "content": "sunny", "tool_call_id": "abcdefghi", "name": "get"}]
+    calls = []
+    got = regenerate.regenerate_conversations(model, tokenizer, [chat], max_new_tokens=4,
+                                              progress=lambda done, total: calls.append((done, total)))
+    assert got == [chat] and calls == [], f"regenerated {got} (progress {calls}), expected the row as it is"
+
+
+def test_resuming_a_regeneration_whose_rows_hold_line_separators(target, tmp_path):
+    """U+2028 and U+2029 end a line for str.splitlines, not for JSON lines: a resumed run counts
+    the rows written by newlines only."""
+    model, tokenizer = target
+    chats = [[{"role": "user", "content": f"row {n}\u2028with a line separator\u2029"}] for n in range(3)]
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}, ensure_ascii=False) + "\n" for c in chats), encoding="utf-8")
+    opts = dict(temperature=0.0, max_new_tokens=3, batch_size=1, template_kwargs=None, log=lambda *a: None)
+    regenerate.regenerate_file(model, tokenizer, str(src), str(tmp_path / "straight.jsonl"), **opts)
+    straight = (tmp_path / "straight.jsonl").read_text(encoding="utf-8")
+    assert "\u2028" in straight, "the output lost the line separators the test is about"
+    killed = tmp_path / "killed.jsonl"
+    killed.write_text(straight[:straight.index("\n") + 1], encoding="utf-8")  # a run killed after its first row
+    regenerate.regenerate_file(model, tokenizer, str(src), str(killed), **opts)
+    assert killed.read_text(encoding="utf-8") == straight, "the resumed output differs from the uninterrupted run's"
+
+
+TOOLS_CHATML = ("{%- if tools %}{{- '<|im_start|>system\\ntools:' }}{%- for t in tools %}"
+                "{{- ' ' + t['function']['name'] }}{%- endfor %}{{- '<|im_end|>\\n' }}{%- endif %}" + tiny_world.CHATML)
+
+
+def test_each_regeneration_batch_renders_with_its_own_rows_tools(target, tmp_path, monkeypatch):
+    model, tokenizer = target
+    monkeypatch.setattr(tokenizer, "chat_template", TOOLS_CHATML)
+    chat = [{"role": "user", "content": "what now?"}]
+    tools = [[{"type": "function", "function": {"name": name, "parameters": {}}}] for name in ("get_weather", "now")]
+    want = [plain_greedy(model, tokenizer, chat, 6, tools=t)[0] for t in tools]
+    assert want[0] != want[1], f"both tool lists give the answer {want[0]!r}: the test would not see them mixed"
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"messages": chat, "tools": t}) + "\n" for t in tools))
+    regenerate.regenerate_file(model, tokenizer, str(src), str(out), temperature=0.0, max_new_tokens=6, batch_size=1,
+                               template_kwargs=None, log=lambda *a: None)
+    got = [json.loads(line) for line in out.read_text().split("\n")[:-1]]
+    assert got == [{"messages": [*chat, {"role": "assistant", "content": w}], "tools": t} for w, t in zip(want, tools)], \
+        f"regenerated {got}, the target's greedy answers with each row's tools {want}"
 
 
 @pytest.mark.parametrize("case", ["other prompt", "not ours", "too many"])

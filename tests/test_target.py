@@ -14,7 +14,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import checkpoint
 import target
 import train
-from conftest import plain_greedy
+from conftest import plain_greedy, tiny_drafter, tiny_qwen3
 from dflash2 import spec_generate, target_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,6 +104,28 @@ def test_mask_token_flag_tokenizer_mask_and_free_rows():
     assert got[0] == REPO_NAME, f"<|mask|> 262 outside a table of 262 rows: chose {got}, expected {REPO_NAME}"
 
 
+def test_mask_token_is_never_the_unk_token():
+    """Llama-2's and Mistral's tokenizers have an added unk token (<unk>, id 0): unknown text maps
+    to it, so its row is no free row."""
+    with_unk = byte_tokenizer(pad_token="<|endoftext|>", eos_token="<|im_end|>", unk_token="<|im_start|>")
+    assert with_unk.unk_token_id == IM_START, f"unk token {with_unk.unk_token_id}, the test wants {IM_START}"
+    got = target.choose_mask_token(None, with_unk, len(with_unk))
+    assert got[0] == REPO_NAME, f"unk <|im_start|>: chose {got}, expected {REPO_NAME} <repo_name>"
+
+
+def test_mask_token_refuses_added_tokens_beyond_the_embedding_table():
+    """A table of 259 rows holds the bytes, <|endoftext|>, <|im_start|> and <|im_end|>: the added
+    tokens after them have no embedding row, so nothing is left and the refusal names the three."""
+    tokenizer = byte_tokenizer()
+    with pytest.raises(ValueError) as refused:
+        target.choose_mask_token(None, tokenizer, IM_END + 1, used_ids=[IM_START])
+    message = str(refused.value)
+    named = [f"{i} {name!r}" for i, name in zip(range(256, 262), SPECIALS)]
+    assert message.startswith("no free mask token:") and "\n" not in message, message
+    assert all(n in message for n in named[:3]) and not any(n in message for n in named[3:]), \
+        f"the refusal should name candidates {named[:3]} only: {message}"
+
+
 # -----------------------------------------------------------------------------
 # what --target names
 
@@ -180,6 +202,26 @@ def test_regenerate_answers_every_prompt_with_the_targets_greedy_continuation(ll
         assert row[1]["content"] == want, f"prompt {prompt!r}: regenerated {row[1]['content']!r}, plain greedy {want!r}"
         stopped.append(stop)
     assert any(stopped) and not all(stopped), f"the test target should stop early on some prompts only: {stopped}"
+
+
+def test_regenerate_renders_with_the_chat_template_flag(llama, tmp_path):
+    """--regenerate answers the prompts as --chat-template renders them, not as the tokenizer's
+    own template does."""
+    template = "{{ '<|im_start|>system\\nAnswer in French.<|im_end|>\\n' }}" + CHATML
+    (tmp_path / "t.jinja").write_text(template)
+    prompts, out = tmp_path / "prompts.jsonl", tmp_path / "chats.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
+    train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
+                                       "--chat-template", str(tmp_path / "t.jinja"), "--regen-max-new-tokens", "6"]),
+                     log=lambda *a: None)
+    got = [json.loads(line)["messages"][1]["content"] for line in out.read_text().split("\n")[:-1]]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(llama["path"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(llama["path"], dtype=torch.float32).eval()
+    own = [plain_greedy(model, tokenizer, [{"role": "user", "content": p}], 6)[0] for p in PROMPTS]
+    tokenizer.chat_template = template
+    want = [plain_greedy(model, tokenizer, [{"role": "user", "content": p}], 6)[0] for p in PROMPTS]
+    assert want != own, f"both templates give the answers {want}: the test would not see which one rendered"
+    assert got == want, f"regenerated {got}; the target's greedy answers under --chat-template are {want}"
 
 
 def test_training_picks_the_lowest_free_added_token_and_exports_a_drafter_that_decodes_as_the_target(
@@ -329,3 +371,16 @@ def test_gguf_dry_run_writes_an_export_and_serving_commands_for_the_original_mod
     assert all("ORIGINAL_MODEL" in c and path not in c for c in commands), "\n".join(commands)
     assert "put the hub id or folder of the model it was converted from in place of ORIGINAL_MODEL" in printed, printed
     assert not (tmp_path / "cache").exists(), "a dry run on a GGUF built the offline world"
+
+
+def test_dry_run_on_an_upper_case_gguf_name_prints_original_model(tmp_path):
+    """A GGUF file is a GGUF file whatever the case of its suffix: the serving commands name
+    ORIGINAL_MODEL, never the file (engines do not serve a drafter's target from it)."""
+    path = tmp_path / "Model.Q4_1.GGUF"
+    path.write_bytes(b"GGUF")
+    drafter = tiny_drafter(tiny_qwen3(64))
+    logs = []
+    train.dry_run(drafter, train.parse_args(["--target", str(path), "--dry-run", "--out-dir", str(tmp_path / "out"),
+                                             "--export-dtype", "float32"]), logs.append)
+    commands = [line for line in logs if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
+    assert len(commands) == 3 and all("ORIGINAL_MODEL" in c and str(path) not in c for c in commands), "\n".join(logs)

@@ -290,6 +290,19 @@ CASES = {  # (family, case): (messages, template kwargs, tools, the trained text
         ["«c1»<|im_end|>",
          '«r2»\n</think>\n\n<tool_call>\n{"name": "get", "arguments": {"city": "«x1»"}}\n</tool_call><|im_end|>',
          "\n</think>\n\n«c3»<|im_end|>"]),
+    ("thinking", "reasoning in content, tool call"): (  # the generation prompt's <think>\n is prompt in both turns
+        [U("what is the weather?"), A("<think>\nI should call the tool.\n</think>\n\n",
+                                      tool_calls=[call("get_weather", ARGS)]),
+         T("sunny"), A("<think>\nIt is sunny.\n</think>\n\nIt is sunny.")], {}, None,
+        ['I should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "«x1»"}}\n'
+         '</tool_call><|im_end|>', "It is sunny.\n</think>\n\nIt is sunny.<|im_end|>"]),
+    ("thinking", "reasoning in content, tool call, tools"): (
+        [U("what is the weather?"), A("<think>\nI should call the tool.\n</think>\n\n",
+                                      tool_calls=[call("get_weather", ARGS)]),
+         T("sunny"), A("<think>\nIt is sunny.\n</think>\n\nIt is sunny.")], {},
+        [{"type": "function", "function": {"name": "get_weather", "parameters": {"city": {"type": "string"}}}}],
+        ['I should call the tool.\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "«x1»"}}\n'
+         '</tool_call><|im_end|>', "It is sunny.\n</think>\n\nIt is sunny.<|im_end|>"]),
     ("llama31", "system, tools"): (
         [S("«s»"), U("«u1»"), A("", tool_calls=[call("get", json.dumps(ARGS))]), T("«t1»"), A("«c2»"), U("«u3»")],
         {}, None, ['{"name": "get", "parameters": {"city": "«x1»"}}<|eot_id|>', "«c2»<|eot_id|>"]),

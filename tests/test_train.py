@@ -116,12 +116,13 @@ def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, mo
     assert steps == [1, 2, 3, 4, 4], f"the resumed run's record holds steps {steps}, want 1..4 once (+ the eval at 4)"
 
 
-def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypatch):
-    """A row's place in the data stream, not its index in the data, seeds its anchors: a second
-    epoch trains other blocks of the same rows (with anchors seeded by the index, every row would
-    repeat its blocks)."""
-    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:3]
-    data = write_jsonl(tmp_path / "three.jsonl", [{"messages": c} for c in convs])
+def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypatch, one_thread):
+    """A row's place in the data stream, not its index in the data nor its place in the epoch,
+    seeds its anchors: a second epoch trains other blocks of the same rows, also of a row that
+    the second permutation puts where the first one did (seeded by the place in the epoch, that
+    row would repeat its blocks)."""
+    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:6]
+    data = write_jsonl(tmp_path / "six.jsonl", [{"messages": c} for c in convs])
     drawn, loss_step = [], train.loss_step
 
     def recording(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw):  # the anchors drawn, by row
@@ -131,13 +132,16 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
         return loss_step(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw)
 
     monkeypatch.setattr(train, "loss_step", recording)
-    train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", data=data))
+    train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", "--batch-size", "5", data=data))
+    epochs = [[row for row, _ in drawn[:5]], [row for row, _ in drawn[5:10]]]  # the evaluation's row comes after
+    assert sorted(epochs[0]) == sorted(epochs[1]) and len(set(epochs[0])) == 5, "each epoch should see the 5 rows once"
+    kept = [k for k in range(5) if epochs[0][k] == epochs[1][k]]
+    assert kept, "no row keeps its place in the second epoch: the test would not see places in the epoch seed anchors"
     by_row = {}
-    for row, anchors in drawn[:4]:  # 2 training rows, twice; the evaluation's row comes after
+    for row, anchors in drawn[:10]:
         by_row.setdefault(row, []).append(anchors)
-    assert sorted(map(len, by_row.values())) == [2, 2], f"rows seen {sorted(map(len, by_row.values()))} times"
-    same = sum(a == b for a, b in by_row.values())
-    assert same == 0, f"{same} of 2 rows draw the same anchors in both epochs"
+    same = [k for k, (a, b) in enumerate(by_row.values()) if a == b]
+    assert not same, f"rows {same} of 5 draw the same anchors in both epochs (rows at places {kept} keep their place)"
 
 
 def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
