@@ -6,8 +6,10 @@ What DFlash2's two parts cost, at real widths with random weights (nothing downl
           and each variant's floor: the weight bytes its step must read over DFlash's
           (draft_step_reads), the time ratio of a step bound by reading its weights; a
           measured ratio above it is what the parts' compute and kernel launches add.
-  train   one training step as train.py takes it (target forward, loss, backward, AdamW),
-          DFlash vs DFlash2, at a small width and the real vocabulary.
+  train   one training step as train.py takes it at bench.real's shape (SmolLM2-135M's widths):
+          the target part, the drafter's loss forward + backward and the whole step, for a
+          float32 and a bf16 target, features computed every step or cached, against the
+          step before the fused loss and against the floor of its matrix products.
   memory  peak memory of a training step against max_anchors (N) at V = 151936, chunked vs
           unchunked loss, measured in a fresh process and planned by memory.memory_plan.
 
@@ -18,6 +20,7 @@ python -m bench.cost --quick         # a smoke run at small shapes
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -44,9 +47,8 @@ DRAFT_TARGET = dict(QWEN3_4B, layers=2)
 QUICK_DRAFT_TARGET = dict(DRAFT_TARGET, hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1536, vocab=32000)
 DRAFT_DRAFTER = dict(num_layers=5, block_size=16, target_layer_ids=[0], selector_rank=256, selector_top_k=16,
                      conv_kernel_size=2, conv_group_size=16)
-TRAIN_TARGET = dict(hidden=256, layers=4, heads=4, kv_heads=2, head_dim=64, intermediate=768, vocab=151936)
-TRAIN_DRAFTER = dict(num_layers=2, block_size=8, target_layer_ids=[0, 2], conv_group_size=16)
-TRAIN_BATCH = dict(batch_size=2, seq_len=256, max_anchors=64, loss_chunk=1024)
+# SmolLM2-135M-Instruct's widths and vocabulary (bench.real's target), from its config.json
+SMOLLM2_135M = dict(hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, intermediate=1536, vocab=49152, tie=True)
 
 
 def variant_drafters(target_config, names=tuple(VARIANTS), dtype=torch.float32, device="cpu", **overrides):
@@ -194,18 +196,111 @@ def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chu
     return median_seconds(fns, repeats, warmup, device=dev)
 
 
+class Precomputed:
+    """train.loss_step's `features` with the target's hidden states already at hand: the step
+    without its target part, to time the drafter's loss forward and backward alone."""
+
+    def __init__(self, states):
+        self.states = states
+
+    def hidden_states(self, *_):
+        return self.states
+
+
+def product_rate(dtype, m=1792, k=576, n=49152, repeats=3):
+    """FLOP/s of this machine's (m, k) @ (k, n) product in `dtype`, best of `repeats` (the
+    default: the lm_head product of bench.real's loss, its largest)."""
+    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
+    a @ b
+    best = min(round_seconds({"mm": lambda: a @ b}, repeats, warmup=0)["mm"])
+    return 2 * m * k * n / best
+
+
+def product_flops(fn):
+    """Matrix-product FLOPs (matmuls, attention, their backward) of one call of fn."""
+    from torch.utils.flop_counter import FlopCounterMode
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
 def train_part(device, repeats, quick):
-    """train_step_cost of DFlash and DFlash2 at TRAIN_TARGET's shape (smaller with quick)."""
-    target_shape = dict(TRAIN_TARGET, vocab=4096) if quick else TRAIN_TARGET
-    batch = dict(TRAIN_BATCH, seq_len=64, max_anchors=8) if quick else TRAIN_BATCH
-    target = random_target(device=device, **target_shape)
-    drafters = variant_drafters(target.config, ("DFlash", "DFlash2"), device=device,
-                                mask_token_id=target_shape["vocab"] - 1, **TRAIN_DRAFTER)
-    seconds = train_step_cost(target, drafters, **batch, repeats=repeats, warmup=1)
-    return {"shape": {**target_shape, **TRAIN_DRAFTER, **batch, "device": str(device), "repeats": repeats},
-            "ms": {k: 1e3 * v for k, v in seconds.items()},
-            "ratio_dflash2_vs_dflash": seconds["DFlash2"] / seconds["DFlash"],
-            "tokens_per_s": {k: batch["batch_size"] * batch["seq_len"] / v for k, v in seconds.items()}}
+    """One training step of train.py at bench.real's shape (SmolLM2-135M-Instruct's widths and
+    vocabulary with random weights, batch 8 x 384 tokens, 32 anchors, B = 8, 2 draft layers,
+    KL loss), for a float32 and a bf16 target (the drafter's step under bf16 autocast), with the
+    target's features computed every step ("online") or read from TargetFeatures ("cached"),
+    and the step as it was before the fused loss (float32 online, LossConfig(fused=False)):
+    the target part, the drafter's loss forward + backward, and the whole step with AdamW, rounds
+    interleaved; each step's floor is its product FLOPs at this machine's product rate."""
+    import train
+    from target import TargetFeatures
+    shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
+        else SMOLLM2_135M
+    batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
+    targets = {"float32": random_target(device=device, **shape)}
+    targets["bfloat16"] = random_target(device=device, dtype=torch.bfloat16, **shape)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab"] - 1, (batch_size, seq_len), generator=g).to(device)
+    ones = torch.ones_like(ids)
+    batch, rows, seeds = (ids, ones, ones), list(range(batch_size)), list(range(batch_size))
+    c = drafter_config(targets["float32"].config, mask_token_id=shape["vocab"] - 1, num_layers=2, block_size=8)
+    cases = {"float32 online, unfused loss": ("float32", "online", False), "float32 online": ("float32", "online", True),
+             "float32 cached": ("float32", "cached", True), "bfloat16 online": ("bfloat16", "online", True),
+             "bfloat16 cached": ("bfloat16", "cached", True)}
+    fns, flops = {}, {}
+    for name, (dtype, mode, fused) in cases.items():
+        target = targets[dtype]
+        torch.manual_seed(0)
+        drafter = dflash2.DFlash2Drafter(c).to(device)
+        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-6)
+        cfg = dflash2.LossConfig(fused=fused)
+        features = None
+        if mode == "cached":
+            key = {"target_weights": [0.0], "target_layer_ids": c.target_layer_ids, "dtype": dtype}
+            features = TargetFeatures(key, c.target_layer_ids, shape["layers"])
+            features.hidden_states(target, ids, ones, rows)  # filled once, as a run's first epoch does
+        states = features.hidden_states(target, ids, ones, rows) if features else \
+            target(input_ids=ids, attention_mask=ones, output_hidden_states=True, logits_to_keep=1).hidden_states
+
+        def target_part(target=target, features=features):
+            if features is not None:
+                return features.hidden_states(target, ids, ones, rows)
+            with torch.no_grad():
+                return target(input_ids=ids, attention_mask=ones, output_hidden_states=True, logits_to_keep=1)
+
+        def loss_part(drafter=drafter, target=target, cfg=cfg, states=states):
+            drafter.zero_grad(set_to_none=True)
+            train.loss_step(drafter, target, batch, cfg, anchors, seeds, False, Precomputed(states))[0].backward()
+
+        def whole_step(drafter=drafter, target=target, cfg=cfg, features=features, optimizer=optimizer):
+            train.loss_step(drafter, target, batch, cfg, anchors, seeds, False, features, rows)[0].backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        fns.update({(name, "target"): target_part, (name, "loss"): loss_part, (name, "step"): whole_step})
+        flops[name] = product_flops(whole_step)
+    seconds = {k: median(v) for k, v in round_seconds(fns, repeats, warmup=1, device=device).items()}
+    rates = {dtype: product_rate(getattr(torch, dtype), *((128, 64, 4096) if quick else ())) for dtype in targets}
+    today = seconds[("float32 online, unfused loss", "step")]
+    rows_out = {}
+    for name, (dtype, mode, fused) in cases.items():
+        s = {part: seconds[(name, part)] for part in ("target", "loss", "step")}
+        floor = flops[name] / rates[dtype]
+        rows_out[name] = {**{f"{part}_s": v for part, v in s.items()}, "product_tflop": flops[name] / 1e12,
+                          "floor_s": floor, "speedup_vs_today": today / s["step"], "times_floor": s["step"] / floor}
+    return {"shape": {**shape, "batch_size": batch_size, "seq_len": seq_len, "max_anchors": anchors, "num_layers": 2,
+                      "block_size": 8, "device": str(device), "repeats": repeats},
+            "cpu": cpu_model(), "product_tflops": {k: v / 1e12 for k, v in rates.items()}, "cases": rows_out}
+
+
+def cpu_model():
+    """This CPU's model name and whether it multiplies bf16 in hardware, for the report."""
+    from target import native_bf16_cpu
+    name = platform.processor() or platform.machine()
+    if os.path.isfile("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    return {"model": name, "native_bf16": native_bf16_cpu(), "threads": torch.get_num_threads()}
 
 
 # -----------------------------------------------------------------------------
@@ -319,9 +414,16 @@ def markdown(results):
         lines.append("")
     if "train" in results:
         t = results["train"]
-        lines += [f"Training step (target forward, loss, backward, AdamW) at {t['shape']}: DFlash "
-                  f"{t['ms']['DFlash']:.0f} ms, DFlash2 {t['ms']['DFlash2']:.0f} ms "
-                  f"(× {t['ratio_dflash2_vs_dflash']:.3f})", ""]
+        cpu = t["cpu"]
+        lines += [f"Training step at bench.real's shape {t['shape']} on {cpu['model']} ({cpu['threads']} threads, bf16 "
+                  f"products in hardware: {'yes' if cpu['native_bf16'] else 'no'}); medians of {t['shape']['repeats']} "
+                  "rounds. Floor: the step's matrix-product FLOPs at this machine's product rate "
+                  f"(float32 {t['product_tflops']['float32']:.3f}, bf16 {t['product_tflops']['bfloat16']:.3f} TFLOP/s)",
+                  "", "| step | target features s | drafter loss fwd+bwd s | whole step s | × the unfused float32 "
+                  "online step | products TFLOP | floor s | × floor |", "|---|---|---|---|---|---|---|---|"]
+        lines += [f"| {k} | {v['target_s']:.2f} | {v['loss_s']:.2f} | {v['step_s']:.2f} | {v['speedup_vs_today']:.2f} | "
+                  f"{v['product_tflop']:.3f} | {v['floor_s']:.2f} | {v['times_floor']:.1f} |" for k, v in t["cases"].items()]
+        lines.append("")
     if "memory" in results:
         m = results["memory"]
         lines += [f"Peak memory of a training step at {m['shape']}, measured (planned), MiB", "",
@@ -346,6 +448,7 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=["float32", "bfloat16", "float16"], help="weights of the draft step")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of the draft and training steps (medians)")
+    p.add_argument("--train-repeats", type=int, default=3, help="timed rounds of the training steps (medians)")
     p.add_argument("--context", type=int, default=1024, help="context tokens already in the drafter's cache")
     p.add_argument("--quick", action="store_true", help="small shapes, 64 tokens of context, one round: a smoke run")
     return p.parse_args(argv)
@@ -356,8 +459,9 @@ def check_args(args):
     unknown = set(args.parts) - set(PARTS)
     if unknown or not args.parts:
         raise ValueError(f"--parts: unknown part(s) {sorted(unknown)}; choose from {', '.join(PARTS)}")
-    if args.repeats < 1 or args.context < 1:
-        raise ValueError(f"--repeats ({args.repeats}) and --context ({args.context}) must be >= 1")
+    for flag in ("repeats", "train_repeats", "context"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} ({getattr(args, flag)}) must be >= 1")
     try:
         device = torch.device(args.device)
     except RuntimeError:
@@ -374,7 +478,7 @@ def main(args):
         results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.dtype),
                                       min(args.context, 64) if args.quick else args.context, repeats, args.quick)
     if "train" in args.parts:
-        results["train"] = train_part(torch.device(args.device), repeats, args.quick)
+        results["train"] = train_part(torch.device(args.device), 1 if args.quick else args.train_repeats, args.quick)
     if "memory" in args.parts:
         results["memory"] = memory_table(anchors=(8, 16), vocab=4096, seq_len=64, loss_chunk=8) if args.quick \
             else memory_table()

@@ -378,9 +378,9 @@ def test_dry_run_on_an_upper_case_gguf_name_prints_original_model(tmp_path):
     ORIGINAL_MODEL, never the file (engines do not serve a drafter's target from it)."""
     path = tmp_path / "Model.Q4_1.GGUF"
     path.write_bytes(b"GGUF")
-    drafter = tiny_drafter(tiny_qwen3(64))
-    logs = []
+    target = tiny_qwen3(64)
+    drafter, logs = tiny_drafter(target), []
     train.dry_run(drafter, train.parse_args(["--target", str(path), "--dry-run", "--out-dir", str(tmp_path / "out"),
-                                             "--export-dtype", "float32"]), logs.append)
+                                             "--export-dtype", "float32"]), target.config, logs.append)
     commands = [line for line in logs if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
     assert len(commands) == 3 and all("ORIGINAL_MODEL" in c and str(path) not in c for c in commands), "\n".join(logs)
