@@ -7,8 +7,9 @@ arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -
     torchrun --nproc_per_node=8 train.py ...         # data parallel: one frozen target per rank
 
 Outputs under --out-dir: checkpoint/ (servable export, §7), resume.pt, metrics.jsonl and
-curves.png (checkpoint.py). A row's place in the data stream fixes its order and its anchor
-draws, so a resumed run repeats the uninterrupted one exactly.
+curves.png (checkpoint.py), and target_features/ when the target's features are cached on
+disk. A row's place in the data stream fixes its order and its anchor draws, so a resumed
+run repeats the uninterrupted one exactly.
 """
 import argparse
 import math
@@ -68,8 +69,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Train a DFlash2 drafter (ALGORITHM.md §6).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("target and data")
-    g.add_argument("--target", help="HF model folder or hub id of the frozen target; unset: the offline tiny "
-                   "Qwen3 trained on the stdlib, built and cached on first use")
+    g.add_argument("--target", help="HF model folder, hub id or .gguf file of the frozen target; unset: the "
+                   "offline tiny Qwen3 trained on the stdlib, built and cached on first use")
     g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet; rows hold 'messages' or "
                    "'conversations' (role/content or from/value); unset: the offline world's conversations")
     g.add_argument("--data-split", default="train", help="split of a hub dataset")
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=at_least(2), default=512,
                    help="rows are truncated to this many tokens (paper: 3072)")
     g.add_argument("--mask-token-id", type=int, help="id of the MASK slots; unset: the tokenizer's mask token, "
-                   "else the first target embedding row that no token uses")
+                   "else the first target embedding row that no token uses, else the lowest-id added token that is "
+                   "not bos/eos/pad/unk and never occurs in the training rows (ALGORITHM.md §1)")
     g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="the target's weights; below float32 the drafter's step also runs under bf16 autocast. auto: "
                    "bfloat16 on a GPU or on a CPU with AMX or AVX512-BF16, else float32 (decoding one sequence on "
@@ -137,7 +139,8 @@ def parse_args(argv=None):
     g.add_argument("--epochs", type=at_least(0, float, strict=True),
                    help="passes over the data; overrides --steps when set")
     g = p.add_argument_group("run")
-    g.add_argument("--out-dir", default="out", help="checkpoint/ and resume.pt go here")
+    g.add_argument("--out-dir", default="out", help="checkpoint/, resume.pt, metrics.jsonl, curves.png (and "
+                   "target_features/ with --cache-target-features disk) go here")
     g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
     g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines")
     g.add_argument("--eval-every", type=at_least(0), default=0, help="steps between evaluations (0: only at the end)")
