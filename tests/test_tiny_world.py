@@ -62,6 +62,7 @@ def small_build(monkeypatch):
     monkeypatch.setattr(tiny_world, "stdlib_conversations", lambda **kw: convs)
     monkeypatch.setattr(tiny_world, "TINY_HELD_OUT", 8)
     monkeypatch.setattr(tiny_world, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
+    monkeypatch.setattr(tiny_world, "native_bf16_cpu", lambda: False)  # the float32 world on every CPU
 
 
 def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
@@ -85,6 +86,21 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
     assert tiny_world.tiny_world(tmp_path, 1, logs.append, train_prompts=4, max_new_tokens=3) == (target, data)
     assert logs == [], f"the cached world was rebuilt: {logs}"
     assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-4prompts"], "a temporary folder was left behind"
+
+
+def test_on_a_cpu_with_hardware_bf16_the_world_is_the_bf16_targets(tmp_path, monkeypatch, small_build):
+    """Where train.py trains with a bf16 target, the world's answers are that target's own greedy
+    answers (bf16), its weights are saved in float32, and it has a name of its own."""
+    monkeypatch.setattr(tiny_world, "native_bf16_cpu", lambda: True)
+    target, data = tiny_world.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=3)
+    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-2prompts-bf16"], list(tmp_path.iterdir())
+    saved = AutoModelForCausalLM.from_pretrained(target)
+    assert saved.dtype == torch.float32, f"the world's target was saved in {saved.dtype}"
+    model, tok = saved.to(torch.bfloat16), AutoTokenizer.from_pretrained(target)
+    for row in [json.loads(line)["messages"] for line in open(data)][:2]:
+        prompt = tok.apply_chat_template(row[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        greedy = target_generate(model, prompt["input_ids"], 3, stop_token_ids=[tok.eos_token_id])[0].tolist()
+        assert row[1]["content"] == tok.decode([t for t in greedy if t != tok.eos_token_id]), row[1]
 
 
 def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch, small_build):
