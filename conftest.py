@@ -1,7 +1,7 @@
 """Shared builders and fixtures of the tests, test_dflash2.py's and those in tests/: tiny random
 Qwen3 targets built from a transformers config (nothing downloaded), random DFlash2 drafters for
 them, the single-thread fixture that tiny models need on a busy CPU, the chi-square test of a
-sampler's law, and the plain greedy loop that regeneration is checked against."""
+sampler's law, and the plain greedy loop that generation and regeneration are checked against."""
 import numpy as np
 import pytest
 import torch
@@ -89,17 +89,24 @@ def replace_q(monkeypatch, drafter, q_of):
     monkeypatch.setattr(drafter, "propose", mutant)
 
 
-def plain_greedy(model, tokenizer, messages, max_new_tokens, stop_ids=(), tools=None):
-    """The target's greedy answer to a chat (rendered with `tools`): argmax over full forwards of
-    the unpadded prompt (no cache, no batch) until the tokenizer's eos or one of `stop_ids`.
-    -> (text, stopped at a stop token)."""
-    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools,
-                                        return_dict=True)["input_ids"]
+def argmax_loop(model, ids, max_new_tokens, stop_ids=()):
+    """The target's plain greedy continuation of token ids: the argmax of a full forward of the
+    whole sequence so far (no cache, no batch, no padding), max_new_tokens times or until one of
+    stop_ids, which is left out. -> (new ids, stopped at a stop id)."""
     new = []
     for _ in range(max_new_tokens):
         with torch.no_grad():
-            tok = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
-        if tok == tokenizer.eos_token_id or tok in stop_ids:
-            return tokenizer.decode(new), True
+            tok = int(model(torch.tensor([list(ids) + new])).logits[0, -1].argmax())
+        if tok in stop_ids:
+            return new, True
         new.append(tok)
-    return tokenizer.decode(new), False
+    return new, False
+
+
+def plain_greedy(model, tokenizer, messages, max_new_tokens, stop_ids=(), tools=None):
+    """The target's greedy answer to a chat (rendered with `tools`): argmax_loop on the unpadded
+    prompt until the tokenizer's eos or one of `stop_ids`. -> (text, stopped at a stop token)."""
+    ids = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, tools=tools,
+                                        return_dict=True)["input_ids"]
+    new, stopped = argmax_loop(model, ids, max_new_tokens, {tokenizer.eos_token_id, *stop_ids})
+    return tokenizer.decode(new), stopped

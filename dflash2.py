@@ -880,11 +880,9 @@ class GenerationStats:
         return self.new_tokens / max(self.decode_seconds, 1e-9)
 
 
-def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+def check_sampling(temperature, top_p, top_k):
+    """A request's sampling setting, refused early with the field and value: T finite and >= 0
+    (0 = greedy), top_p in (0, 1], integer top_k >= 0 (top_p 1 and top_k 0 filter nothing)."""
     if not temperature >= 0 or math.isinf(temperature):  # `not >=` also catches NaN
         raise ValueError(f"temperature ({temperature}) must be a finite number >= 0")
     if not 0 < top_p <= 1:
@@ -893,10 +891,23 @@ def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
         raise ValueError(f"top_k ({top_k!r}) must be an integer >= 0")
 
 
-def _sample(logits, temperature, top_p, top_k, generator):
+def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+    check_sampling(temperature, top_p, top_k)
+
+
+def sample(logits, temperature, top_p=1.0, top_k=0, generator=None):
+    """One token per row of logits (..., V) at the request's setting: the argmax at T = 0, else a
+    draw from sampling_probs (top-k / top-p included). -> (...,) long. The target's tokens are
+    drawn here wherever it generates alone (target_generate, spec_generate's first token,
+    regeneration), so they all follow the law serving uses."""
     if temperature == 0:
-        return int(logits.argmax(-1))
-    return int(torch.multinomial(sampling_probs(logits, temperature, top_p, top_k), 1, generator=generator))
+        return logits.argmax(-1)
+    p = sampling_probs(logits, temperature, top_p, top_k)
+    return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(p.shape[:-1])
 
 
 def device_time(device):
@@ -904,6 +915,66 @@ def device_time(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
+
+
+def draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache):
+    """The draft half's forward: the block [anchor, MASK, ..., MASK] at positions a..a+B−1
+    through the drafter, which first appends new_ctx (1, ·, nf·H), the raw target features of
+    the context it has not read yet, to draft_cache; then the target's lm_head on slots 1..B−1.
+    anchor (1,) long. -> (h (1, B−1, H), unary logits (1, B−1, V) fp32): propose's inputs."""
+    c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
+    a = draft_cache.length + new_ctx.shape[1]  # the context is 0..a−1, the anchor sits at a
+    block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
+    block[:, 0] = anchor
+    h = drafter(embed(block).to(dtype), torch.arange(a, a + c.block_size, device=dev)[None], new_ctx.to(dtype),
+                torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
+    return h, lm_head(h.to(lm_head.weight.dtype)).float()
+
+
+def verify_forward(target, cache, anchor, draft, layer_ids):
+    """The verify half's forward: the target reads [anchor ; draft] (n+1 tokens) after its cache,
+    so logits row i is its law for the token after draft[:i], row n the bonus's when all are
+    kept. -> (logits (n+1, V), context features (1, n+1, nf·H))."""
+    out = target(torch.cat([anchor, draft])[None], cache=cache, use_cache=True, output_hidden_states=True)
+    return out.logits[0], context_features(out.hidden_states, layer_ids)
+
+
+def q_over_vocab(cand, q, vocab_size):
+    """The sparse proposal spread over the vocabulary: q (..., K) of candidates cand (..., K) ->
+    (..., V) fp64, 0 outside the candidates (tokens the walk could not draw)."""
+    dense = torch.zeros(*cand.shape[:-1], vocab_size, device=cand.device, dtype=torch.float64)
+    return dense.scatter_(-1, cand, q.double())
+
+
+def rollback(cache, features, n, n_acc):
+    """Keep what verification accepted: the target cache drops the n − n_acc rejected drafts, and
+    the drafter's next new context is the features of the anchor and the accepted drafts. The
+    bonus is in neither: it is the next cycle's anchor. -> new_ctx (1, n_acc + 1, nf·H)."""
+    if n - n_acc:  # never crop(-0): that is crop(0), which empties the cache
+        cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
+    return features[:, :n_acc + 1]
+
+
+def speculative_decode_step(drafter, target, cache, draft_cache, anchor, new_ctx, n, temperature=0.0, top_p=1.0,
+                            top_k=0, generator=None):
+    """One draft-and-verify cycle (§5). The anchor (1,) is the last emitted token, at position a:
+    the target's cache holds 0..a−1, the drafter's 0..a−1 less new_ctx. Draft n <= B−1 tokens in
+    one drafter pass, score them in one target pass, keep the longest accepted prefix and a bonus
+    token (verify_greedy at T = 0; verify_sampled at T > 0, so the output follows the target's
+    law). -> (committed: the n_acc accepted drafts then the bonus; new_ctx for the next cycle)."""
+    embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+    h, unary = draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache)
+    path, cand, q = drafter.propose(h, unary, anchor, temperature, generator, top_p=top_p, top_k=top_k,
+                                    embedding=embed)
+    draft = path[0, :n]
+    logits, features = verify_forward(target, cache, anchor, draft, drafter.config.target_layer_ids)
+    if temperature == 0:
+        n_acc, bonus = verify_greedy(draft, logits)
+    else:
+        q_vocab = q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1])
+        p = sampling_probs(logits.double(), temperature, top_p, top_k)
+        n_acc, bonus = verify_sampled(draft, q_vocab, p, generator)
+    return draft[:n_acc].tolist() + [bonus], rollback(cache, features, n, n_acc)
 
 
 def _emit(tokens, new, stop_ids, max_new_tokens):
@@ -926,7 +997,7 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
     logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
     start = device_time(input_ids.device)
     stats.target_forwards = 1
-    while not _emit(tokens, [_sample(logits, temperature, top_p, top_k, generator)], stop_ids, max_new_tokens):
+    while not _emit(tokens, [int(sample(logits, temperature, top_p, top_k, generator))], stop_ids, max_new_tokens):
         logits = target(torch.tensor([[tokens[-1]]], device=input_ids.device), cache=cache, use_cache=True).logits[0, -1]
         stats.target_forwards += 1
     stats.decode_seconds, stats.new_tokens = device_time(input_ids.device) - start, len(tokens)
@@ -941,47 +1012,27 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     for token at T = 0 and follows the target's law at T > 0."""
     from transformers import DynamicCache
     _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
-    c, dev = drafter.config, input_ids.device
-    B, P = c.block_size, input_ids.shape[1]
-    embed, lm_head = check_target(c, target)
-    dtype = drafter.fc.weight.dtype
+    c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
+    check_target(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
 
     cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     new_ctx = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
     start, stats.target_forwards = device_time(dev), 1
-    done = _emit(tokens, [_sample(out.logits[0, -1], temperature, top_p, top_k, generator)], stop_ids, max_new_tokens)
+    first = int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))
+    done = _emit(tokens, [first], stop_ids, max_new_tokens)
     while not done:
-        # the anchor is the last emitted token; the target has not seen it yet
-        a = P + len(tokens) - 1
-        block = torch.full((1, B), c.mask_token_id, dtype=torch.long, device=dev)
-        block[0, 0] = tokens[-1]
-        h = drafter(embed(block).to(dtype), torch.arange(a, a + B, device=dev)[None], new_ctx.to(dtype),
-                    torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
-        unary = lm_head(h.to(lm_head.weight.dtype)).float()
-        path, cand, q = drafter.propose(h, unary, block[:, 0], temperature, generator, top_p=top_p, top_k=top_k,
-                                        embedding=embed)
         n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
-        draft = path[0, :n]
-
-        out = target(torch.cat([block[:, :1], draft[None]], 1), cache=cache, use_cache=True, output_hidden_states=True)
+        anchor = torch.tensor([tokens[-1]], device=dev)  # the last emitted token; the target has not read it yet
+        committed, new_ctx = speculative_decode_step(drafter, target, cache, draft_cache, anchor, new_ctx, n,
+                                                     temperature, top_p, top_k, generator)
         stats.target_forwards += 1
-        logits = out.logits[0]                                  # (n+1, V)
-        if temperature == 0:
-            n_acc, bonus = verify_greedy(draft, logits)
-        else:
-            q_vocab = torch.zeros(n, logits.shape[-1], device=dev, dtype=torch.float64)
-            q_vocab.scatter_(-1, cand[0, :n], q[0, :n].double())
-            n_acc, bonus = verify_sampled(draft, q_vocab, sampling_probs(logits.double(), temperature, top_p, top_k), generator)
-        if n - n_acc:
-            cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
-        new_ctx = context_features(out.hidden_states, c.target_layer_ids)[:, :n_acc + 1]  # anchor + accepted
         before = len(tokens)
-        done = _emit(tokens, draft[:n_acc].tolist() + [bonus], stop_ids, max_new_tokens)
-        committed = len(tokens) - before  # fewer than n_acc + 1 when a stop token ends the cycle early
-        stats.acceptance_lengths.append(committed)
-        for k in range(min(n_acc, committed)):
+        done = _emit(tokens, committed, stop_ids, max_new_tokens)
+        kept = len(tokens) - before  # fewer than committed when a stop token ends the cycle early
+        stats.acceptance_lengths.append(kept)
+        for k in range(min(len(committed) - 1, kept)):  # the accepted drafts among the kept tokens
             stats.accepted_per_slot[k] += 1
     stats.decode_seconds, stats.new_tokens = device_time(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats

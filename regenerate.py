@@ -11,8 +11,9 @@ Decisions:
   again, in order;
 - assistant turns with tool calls are kept as they are: regeneration cannot run the tools
   that would answer other calls;
-- decoding is its own loop rather than `generate`: a torch.Generator seeds the sampling, and
-  the stop tokens are the template's end-of-turn token and the eos.
+- decoding is its own loop rather than `generate`: a torch.Generator seeds the sampling, the
+  tokens are drawn by dflash2.sample at the setting given (T, top-p, top-k: the law serving
+  uses), and the stop tokens are the template's end-of-turn token and the eos.
 """
 import json
 import time
@@ -20,14 +21,16 @@ from pathlib import Path
 
 import torch
 
+import dflash2
 from data import REASONING, located_conversations, render, template_facts
 
 
 @torch.no_grad()
-def generate(target, prompts, stop_ids, max_new_tokens, temperature, generator, pad_id):
+def generate(target, prompts, stop_ids, max_new_tokens, pad_id, temperature=0.0, top_p=1.0, top_k=0, generator=None):
     """Batched decoding of token-id prompts of any lengths, left-padded so that every row's
-    next token sits in the last column. -> list of new ids per prompt, the stop token excluded.
-    Positions count real tokens only, so a row's result does not depend on its padding."""
+    next token sits in the last column, each token drawn by dflash2.sample at (T, top_p, top_k).
+    -> list of new ids per prompt, the stop token excluded. Positions count real tokens only,
+    so a row's result does not depend on its padding."""
     device = target.device
     S = max(len(p) for p in prompts)
     ids = torch.tensor([[pad_id] * (S - len(p)) + p for p in prompts], device=device)  # (b, S)
@@ -40,10 +43,7 @@ def generate(target, prompts, stop_ids, max_new_tokens, temperature, generator, 
         out = target(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
                      logits_to_keep=1)
         logits, cache = out.logits[:, -1].float(), out.cache  # (b, V)
-        if temperature > 0:
-            tok = torch.multinomial(torch.softmax(logits / temperature, -1), 1, generator=generator)[:, 0]
-        else:
-            tok = logits.argmax(-1)
+        tok = dflash2.sample(logits, temperature, top_p, top_k, generator)  # (b,)
         new.append(tok.masked_fill(done, pad_id))
         done |= torch.isin(tok, stops)
         if done.all():
@@ -62,16 +62,18 @@ def with_answer_turns(conversations):
             for c in conversations]
 
 
-def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.0, max_new_tokens=256, batch_size=8,
-                             template_kwargs=None, tools=None, generator=None, progress=None):
+def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.0, top_p=1.0, top_k=0,
+                             max_new_tokens=256, batch_size=8, template_kwargs=None, tools=None, generator=None,
+                             progress=None):
     """Replace every assistant turn, in order, with the target's own response to the conversation
     so far (earlier turns already replaced): rendered with the chat template and its generation
     prompt (and the conversation's tools: `tools` holds one list or None per conversation),
     decoded until the end-of-turn token, the tokenizer's eos or the target's generation_config
     eos, or max_new_tokens; the end-of-turn text is not part of the content. The decoded text is
     the new content, reasoning included as the target writes it (Qwen3's <think>...</think>), so
-    the turn's reasoning fields go; its other fields stay. temperature 0 is greedy; `generator`
-    (on the target's device) seeds sampling. `progress(done, total)` is called after each batch,
+    the turn's reasoning fields go; its other fields stay. temperature 0 is greedy; at T > 0
+    tokens are drawn from dflash2.sampling_probs(logits, T, top_p, top_k), and `generator` (on
+    the target's device) seeds the draws. `progress(done, total)` is called after each batch,
     counting regenerated turns. -> new conversations (the input is not modified); one that ends
     with a user turn gains an assistant turn, the target's answer to it.
 
@@ -81,8 +83,7 @@ def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.
 
     Turn k of a conversation needs its turn k-1, so the work goes round by round: each round
     answers the next pending turn of every conversation, in batches of prompts sorted by length."""
-    if not temperature >= 0:  # also refuses nan
-        raise ValueError(f"temperature must be >= 0, got {temperature!r}")
+    dflash2.check_sampling(temperature, top_p, top_k)
     for name, value in (("max_new_tokens", max_new_tokens), ("batch_size", batch_size)):
         if not (isinstance(value, int) and value > 0):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -105,7 +106,8 @@ def regenerate_conversations(target, tokenizer, conversations, *, temperature=0.
         turns.sort(key=lambda t: len(t[2]))
         for b in range(0, len(turns), batch_size):
             batch = turns[b:b + batch_size]
-            answers = generate(target, [t[2] for t in batch], stop_ids, max_new_tokens, temperature, generator, pad_id)
+            answers = generate(target, [t[2] for t in batch], stop_ids, max_new_tokens, pad_id, temperature, top_p,
+                               top_k, generator)
             for (c, i, _), answer in zip(batch, answers):
                 kept = {k: v for k, v in out[c][i].items() if k not in REASONING}
                 out[c][i] = {**kept, "content": tokenizer.decode(answer).split(eot_text)[0]}
@@ -145,8 +147,8 @@ def written_rows(out_path, conversations, log):
     return len(lines)
 
 
-def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_new_tokens, batch_size, template_kwargs,
-                    log):
+def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, top_p=1.0, top_k=0, max_new_tokens,
+                    batch_size, template_kwargs, log):
     """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
     {"messages": [...]} rows (plus the row's "tools") in the input's order. Rows are appended
     batch by batch, so a killed run started again with the same arguments resumes after the last
@@ -166,7 +168,8 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, max_ne
     with open(out_path, "a", encoding="utf-8") as f:
         for b in range(start, len(conversations), batch_size):
             chunk = regenerate_conversations(target, tokenizer, conversations[b:b + batch_size],
-                                             temperature=temperature, max_new_tokens=max_new_tokens,
+                                             temperature=temperature, top_p=top_p, top_k=top_k,
+                                             max_new_tokens=max_new_tokens,
                                              batch_size=batch_size, template_kwargs=template_kwargs,
                                              tools=tools[b:b + batch_size])
             f.write("".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"

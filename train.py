@@ -162,11 +162,17 @@ def parse_args(argv=None):
     g.add_argument("--regenerate", metavar="OUT.jsonl", help="write --data with every assistant turn replaced by "
                    "the target's own answer, then exit; a killed run started again resumes")
     g.add_argument("--regen-temperature", type=at_least(0, float), default=0.0, help="0: greedy answers")
+    g.add_argument("--regen-top-p", type=float, default=1.0, help="at a temperature > 0, draw from the most likely "
+                   "tokens whose probabilities first reach this sum, as serving's top-p does (1: all tokens)")
+    g.add_argument("--regen-top-k", type=at_least(0), default=0, help="at a temperature > 0, draw from the k most "
+                   "likely tokens, as serving's top-k does (0: all tokens)")
     g.add_argument("--regen-max-new-tokens", type=at_least(1), default=2048, help="longest answer, in tokens")
     g.add_argument("--regen-batch-size", type=at_least(1), default=16, help="conversations per generate batch")
     args = p.parse_args(argv)
     if args.soft_labels_at and args.selector_labels != "soft":
         p.error(f"--soft-labels-at {','.join(map(str, args.soft_labels_at))} needs --selector-labels soft")
+    if not 0 < args.regen_top_p <= 1:  # also refuses NaN
+        p.error(f"--regen-top-p {args.regen_top_p} must be in (0, 1]")
     return args
 
 
@@ -577,7 +583,8 @@ def regenerate(args, log=print):
     read_conversations(args.data, args.data_split, log=log, need_answer=False)  # input errors before the weights
     tokenizer = load_tokenizer(args.target, args.chat_template)
     regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
-                    temperature=args.regen_temperature, max_new_tokens=args.regen_max_new_tokens,
+                    temperature=args.regen_temperature, top_p=args.regen_top_p, top_k=args.regen_top_k,
+                    max_new_tokens=args.regen_max_new_tokens,
                     batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
     log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
 

@@ -100,24 +100,21 @@ def draft_step_reads(c):
 
 @torch.no_grad()
 def draft_step(drafter, target, context):
-    """One draft step as serving runs it: the drafter's forward over one block [anchor, MASK,
-    ...] with `context` tokens of context already in its cache (put there now, from random
-    features), the target's lm_head on the B−1 slots, then propose: top-K and the walk, or
+    """One draft step as serving runs it, the draft half of dflash2.speculative_decode_step:
+    draft_forward over one block [anchor, MASK, ...] with `context` tokens of context already
+    in its cache (put there now, from random features), then propose: top-K and the walk, or
     the unary argmax with the selector off. -> (forward, step): forward() -> (h, unary
     logits, anchor), propose's inputs; step() = propose(*forward())."""
     c, dtype, dev = drafter.config, drafter.fc.weight.dtype, target.device
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    block = torch.full((1, c.block_size), c.mask_token_id, device=dev)
-    block[0, 0] = 1  # the anchor: any token
-    pos = torch.arange(context, context + c.block_size, device=dev)[None]
+    anchor = torch.ones(1, dtype=torch.long, device=dev)  # any token
     cache = dflash2.DraftCache(c.num_layers)
     features = torch.randn(1, context, len(c.target_layer_ids) * c.hidden_size, device=dev, dtype=dtype)
-    drafter(embed(block).to(dtype), pos, features, torch.arange(context, device=dev)[None], cache=cache)
+    dflash2.draft_forward(drafter, embed, lm_head, anchor, features, cache)
 
     @torch.no_grad()
     def forward():  # no new context this step
-        h = drafter(embed(block).to(dtype), pos, features[:, :0], pos[:, :0], cache=cache)[:, 1:]
-        return h, lm_head(h.to(lm_head.weight.dtype)).float(), block[:, 0]
+        return (*dflash2.draft_forward(drafter, embed, lm_head, anchor, features[:, :0], cache), anchor)
 
     @torch.no_grad()
     def step():

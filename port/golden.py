@@ -486,19 +486,17 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
         new_ctx = dflash2.context_features(out.hidden_states, c.target_layer_ids)
         tokens.append(int(first))
         while len(tokens) < max_new_tokens:
+            # speculative_decode_step with its draws replaced by the recorded uniforms' inverse CDFs
             u_walk, u_accept, u_bonus = torch.rand(2 * B - 1, generator=g, dtype=torch.float64).split([B - 1, B - 1, 1])
             a = P + len(tokens) - 1
-            block = torch.full((1, B), c.mask_token_id, dtype=torch.long, device=dev)
-            block[0, 0] = tokens[-1]
+            anchor = torch.tensor([tokens[-1]], device=dev)
             ctx_pos = torch.arange(draft_cache.length, a, device=dev)
-            h = drafter(embed(block), torch.arange(a, a + B, device=dev)[None], new_ctx, ctx_pos[None],
-                        cache=draft_cache)[:, 1:]
-            unary = lm_head(h).float()
+            h, unary = dflash2.draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache)
             cyc = dict(a=a, block_pos=torch.arange(a, a + B), ctx_pos=ctx_pos, draft_cache=draft_cache.length,
                        unary=unary[0], u_walk=u_walk, u_accept=u_accept, u_bonus=u_bonus[0])
             if K:
                 cand = unary.topk(K, dim=-1).indices
-                path, q, scores, m = sampled_walk(drafter.candidate_selector, h, unary, block[:, 0], cand,
+                path, q, scores, m = sampled_walk(drafter.candidate_selector, h, unary, anchor, cand,
                                                   u_walk[None], temperature)
                 cyc.update(cand=cand[0], scores=scores[0], q=q[0])
             else:
@@ -509,10 +507,9 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
             margin = min(margin, m)
             n = min(B - 1, max_new_tokens - len(tokens) - 1)
             draft = path[0, :n]
-            out = target(torch.cat([block[:, :1], draft[None]], 1), cache=cache, use_cache=True,
-                         output_hidden_states=True)
-            p = dflash2.sampling_probs(out.logits[0].double(), temperature, top_p, top_k)     # (n+1, V)
-            q_vocab = torch.zeros(n, V, dtype=torch.float64).scatter_(-1, cand[0, :n], q[0, :n].double())
+            logits, features = dflash2.verify_forward(target, cache, anchor, draft, c.target_layer_ids)
+            p = dflash2.sampling_probs(logits.double(), temperature, top_p, top_k)     # (n+1, V)
+            q_vocab = dflash2.q_over_vocab(cand[0, :n], q[0, :n], V)
             ratios, n_acc = torch.full((B - 1,), -1.0, dtype=torch.float64), n
             for i, d in enumerate(draft.tolist()):
                 ratios[i] = dflash2.acceptance_probability(p[i], q_vocab[i], d)
@@ -523,9 +520,7 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
             law = dflash2.residual_distribution(p[n_acc], q_vocab[n_acc]) if n_acc < n else p[n]
             bonus, m = inverse_cdf(law, u_bonus[0])
             margin = min(margin, m)
-            if n - n_acc:
-                cache.crop(-(n - n_acc))
-            new_ctx = dflash2.context_features(out.hidden_states, c.target_layer_ids)[:, :n_acc + 1]
+            new_ctx = dflash2.rollback(cache, features, n, n_acc)
             tokens += draft[:n_acc].tolist() + [int(bonus)]  # n <= max_new_tokens − len(tokens) − 1: all fit
             als.append(n_acc + 1)
             cyc.update(draft=draft, n_acc=n_acc, bonus=int(bonus), target_cache=cache.get_seq_length(), p=p,

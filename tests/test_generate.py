@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
+from conftest import argmax_loop, chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
 
@@ -31,13 +31,9 @@ def drafter(target):
     return tiny_drafter(target, seed=1, block_size=5, target_layer_ids=[0, 1], selector_top_k=6)
 
 
-@torch.no_grad()
 def naive_greedy(target, prompt, n):
     """prompt + n tokens, each the argmax of target(whole sequence so far): no cache."""
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids
+    return list(prompt) + argmax_loop(target, prompt, n)[0]
 
 
 PROMPTS = [(3,), (5, 9, 1, 7), (11, 30, 2, 2, 8, 19)]

@@ -2,6 +2,7 @@
 continuations, resumable files, prompt-only rows. A tiny random target and a byte-level
 tokenizer built on the spot; no downloads, CPU only."""
 import json
+import math
 
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_batched_positions_count_real_tokens_only_on_a_target_without_rope():
             while len(new) < 6 and (tok := int(model(torch.tensor([prompt + new])).logits[0, -1].argmax())) != 0:
                 new.append(tok)
         want.append(new)
-    got = regenerate.generate(model, prompts, {0}, 6, 0.0, None, pad_id=0)
+    got = regenerate.generate(model, prompts, {0}, 6, pad_id=0)
     assert got == want, f"batched, left-padded decoding {got}; each prompt alone {want}"
 
 
@@ -255,10 +256,68 @@ def test_regenerate_file_refuses_output_of_other_data(target, tmp_path, case):
                              template_kwargs=None, log=lambda *a: None)
 
 
-@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"max_new_tokens": 0},
-                                 {"max_new_tokens": 2.5}, {"batch_size": 0}])
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"max_new_tokens": 2.5}, {"batch_size": 0}])
 def test_regenerate_refuses_bad_arguments(target, bad):
     model, tokenizer = target
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=rf"^{name} must be .*, got {value!r}$"):
         regenerate.regenerate_conversations(model, tokenizer, CHATS, **bad)
+
+
+@pytest.mark.parametrize("bad", [{"temperature": float("nan")}, {"temperature": -1.0}, {"top_p": 0.0},
+                                 {"top_p": 1.5}, {"top_k": -1}, {"top_k": 2.5}])
+def test_regenerate_refuses_bad_sampling_settings(target, bad):
+    model, tokenizer = target
+    name, value = next(iter(bad.items()))
+    with pytest.raises(ValueError, match=rf"^{name} \({value!r}\) must be"):
+        regenerate.regenerate_conversations(model, tokenizer, CHATS, **bad)
+
+
+def allowed_tokens(logits, temperature, top_p, top_k):
+    """The tokens a top-k / top-p request may draw from one row of logits, written out: the k
+    largest (all if k = 0), then of those, by descending probability, every token until their
+    probabilities first sum to top_p (the one that crosses included)."""
+    order = sorted(range(len(logits)), key=lambda t: -float(logits[t]))[:top_k or len(logits)]
+    weights = [math.exp((float(logits[t]) - float(logits[order[0]])) / temperature) for t in order]
+    kept, mass = set(), 0.0
+    for t, w in zip(order, weights):
+        kept.add(t)
+        mass += w / sum(weights)
+        if mass >= top_p:
+            break
+    return kept
+
+
+@pytest.mark.parametrize("top_p, top_k", [(1.0, 1), (1.0, 3), (0.5, 0), (0.7, 4)])
+def test_regeneration_samples_only_inside_the_filtered_set(target, top_p, top_k):
+    """At T = 1 with top-k / top-p, every regenerated token lies in the set the setting allows,
+    judged by allowed_tokens on the logits of a plain forward (no cache, no padding) of the
+    prompt and the tokens before it; top-k = 1 is the target's greedy answer. The sets hold
+    several tokens at some steps, so drawing from the unfiltered softmax(z / T) would show."""
+    model, tokenizer = target
+    chats = [c[:[m["role"] for m in c].index("user") + 1] for c in CHATS]  # up to the first user turn
+    prompts = [tokenizer.apply_chat_template(c, add_generation_prompt=True, return_dict=True)["input_ids"]
+               for c in chats]
+    stops = {tokenizer.eos_token_id}
+    sizes = []
+    for seed in range(3):
+        answers = regenerate.generate(model, prompts, stops, 10, tokenizer.pad_token_id, 1.0, top_p, top_k,
+                                      torch.Generator().manual_seed(seed))
+        for prompt, answer in zip(prompts, answers):
+            for j, tok in enumerate(answer):
+                with torch.no_grad():
+                    logits = model(torch.tensor([prompt + answer[:j]])).logits[0, -1]
+                kept = allowed_tokens(logits, 1.0, top_p, top_k)
+                sizes.append(len(kept))
+                assert tok in kept, f"top_p {top_p}, top_k {top_k}, seed {seed}: token {j} of the answer to " \
+                                    f"{prompt} is {tok}, outside the allowed set {sorted(kept)}"
+    if top_k == 1:
+        want = [plain_greedy(model, tokenizer, c, 10)[0] for c in chats]
+        got = regenerate.regenerate_conversations(model, tokenizer, chats, temperature=1.0, top_k=1,
+                                                  max_new_tokens=10, generator=torch.Generator())
+        got = [c[-1]["content"] for c in got]
+        assert got == want, f"regenerated at T = 1, top-k 1:\n{got}\nthe target's greedy answers:\n{want}"
+    else:
+        assert max(sizes) >= 2 and max(sizes) < len(tokenizer) // 2, \
+            f"top_p {top_p}, top_k {top_k}: allowed sets of {min(sizes)}..{max(sizes)} tokens cannot tell a " \
+            "filtered draw from an unfiltered one"

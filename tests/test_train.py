@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import checkpoint
 import tiny_world
 import train
-from conftest import tiny_qwen3
+from conftest import plain_greedy, tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
@@ -377,25 +377,21 @@ def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 
 
-def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path):
+@pytest.mark.parametrize("sampling", [[], ["--regen-temperature", "1", "--regen-top-k", "1"]])
+def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampling):
+    """Greedy, and sampled at top-k 1 (the flags reach the sampler: unfiltered, T = 1 draws others)."""
     data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
     train.regenerate(train.parse_args(["--target", world["target"], "--data", data,
-                                       "--regenerate", str(tmp_path / "out.jsonl"), "--regen-max-new-tokens", "12"]),
+                                       "--regenerate", str(tmp_path / "out.jsonl"), "--regen-max-new-tokens", "12",
+                                       *sampling]),
                      log=lambda *a: None)
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     tokenizer = train.load_tokenizer(world["target"], None)
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
-    ids = tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, return_dict=True)["input_ids"]
-    new = []
-    with torch.no_grad():  # the plain argmax loop, no cache
-        while len(new) < 12:
-            nxt = int(model(torch.tensor([ids + new])).logits[0, -1].argmax())
-            if nxt == tokenizer.eos_token_id:
-                break
-            new.append(nxt)
-    want = tokenizer.decode(new)
+    want, _ = plain_greedy(model, tokenizer, CONVERSATION[:1], 12)
     assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
-                                  for r in rows), f"regenerated {rows}, the target's greedy answer is {want!r}"
+                                  for r in rows), f"regenerated {rows} ({sampling}), the target's greedy answer is " \
+                                                  f"{want!r}"
 
 
 def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_path, no_target_load, capsys):
