@@ -581,12 +581,17 @@ class LossConfig:
              f"soft_labels_at ({at['soft_labels_at']}) needs selector_labels='soft'"),
             (self.gamma is None or self.gamma > 0, f"gamma ({self.gamma}) must be > 0 (or None for B's default)"),
             (self.alpha >= 0, f"alpha ({self.alpha}) must be >= 0"),
-            (self.chunk_size is None or self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1 or None"),
-            *((0 < t < math.inf and 0 < p <= 1 and isinstance(k, int) and k >= 0, f"{name} ({setting}) must be "
-               "(temperature > 0, top_p in (0, 1], integer top_k >= 0)")
-              for name, setting in at.items() for t, p, k in [setting or (1.0, 1.0, 0)])):
+            (self.chunk_size is None or self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1 or None")):
             if not ok:
                 raise ValueError(sentence)
+        for name, setting in at.items():  # sampling settings (check_sampling), and T = 0 has no law to read
+            if setting is not None:
+                try:
+                    check_sampling(*setting)
+                    if setting[0] == 0:
+                        raise ValueError("temperature must be > 0")
+                except ValueError as e:
+                    raise ValueError(f"{name} {setting}: {e}") from None
 
 
 class TargetLoss(torch.autograd.Function):

@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_target, check_target_shape, loss_from_sums,
-                     loss_sums, sample_anchors, spec_generate)
+from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
+                     loss_from_sums, loss_sums, sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
@@ -57,7 +57,8 @@ def sampling_setting(text):
             raise ValueError
         fields += ["1", "0"][len(fields) - 1:]  # the filters left out
         t, top_p, top_k = float(fields[0]), float(fields[1]), int(fields[2])
-        if not (0 < t < math.inf and 0 < top_p <= 1 and top_k >= 0):
+        check_sampling(t, top_p, top_k)
+        if t == 0:
             raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not T[,top_p[,top_k]] with T > 0, top_p in (0, 1] and "
