@@ -112,6 +112,22 @@ def test_greedy_spec_generate_with_a_random_drafter_equals_naive_greedy(target, 
     assert_greedy_run(out, stats, expected, f"spec_generate, prompt {prompt}")
 
 
+def test_greedy_spec_generate_with_a_bf16_target_equals_its_own_greedy_decoding():
+    """The bf16 path train.py takes on a GPU or an AMX CPU: a bf16 target with a float32
+    drafter decodes at T = 0 exactly as the bf16 target's own greedy loop. The target's
+    lm_head is sharpened (x 8) so that no argmax is a near-tie that bf16 rounding of a
+    batched verification against one-token steps could flip."""
+    target = tiny_qwen3(vocab_size=32, num_layers=3, dtype=torch.bfloat16, lm_head_scale=8.0)
+    drafter = tiny_drafter(target, seed=1, block_size=5, target_layer_ids=[0, 1], selector_top_k=6).float()
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        want, _ = target_generate(target, ids, MAX_NEW)
+        assert want.tolist() == argmax_loop(target, prompt, MAX_NEW)[0], f"prompt {prompt}: cached greedy loop drifted"
+        out, stats = spec_generate(drafter, target, ids, MAX_NEW)
+        assert_greedy_run(out, stats, want.tolist(), f"bf16 target, prompt {prompt}")
+        assert len(stats.acceptance_lengths) < MAX_NEW, f"prompt {prompt}: no draft was ever accepted"
+
+
 @pytest.mark.parametrize("max_new_tokens", [13, 11, 3])  # 1 + 3 full blocks; ends 2 tokens into a block; n < B-1 at once
 @pytest.mark.parametrize("n_right", [0, 1, 2, 3, 4])     # B = 5: 4 = every draft right
 @pytest.mark.parametrize("prompt", PROMPTS[1:])
