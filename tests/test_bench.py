@@ -439,9 +439,14 @@ def test_cost_quick_runs_end_to_end(tmp_path):
     floors = {k: v["floor_ratio_vs_dflash"] for k, v in variants.items() if k != "walk alone"}
     assert floors["DFlash"] == 1 and 1 < floors["+selector"] < floors["DFlash2"] and \
         1 < floors["+conv"] < floors["DFlash2"], f"floor ratios {floors}"
-    assert set(results["train"]["ms"]) == {"DFlash", "DFlash2"}, results["train"]
+    cases = results["train"]["cases"]
+    assert {"float32 online, unfused loss", "float32 online", "float32 cached"} <= set(cases), sorted(cases)
+    assert cases["float32 online, unfused loss"]["speedup_vs_today"] == 1 and all(
+        v["step_s"] > 0 and v["floor_s"] > 0 for v in cases.values()), cases
+    online, cached = cases["float32 online"]["product_tflop"], cases["float32 cached"]["product_tflop"]
+    assert 0 < cached < online, f"a cached step counts {cached} TFLOP of products, the online one {online}"
     report = (out / "cost.md").read_text()
-    assert "| DFlash2 |" in report and "floor × DFlash" in report and "Training step" in report, report
+    assert "| DFlash2 |" in report and "floor × DFlash" in report and "| float32 cached |" in report, report
 
 
 def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
