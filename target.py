@@ -131,6 +131,13 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
 # the target's features, computed once per row
 
 
+@torch.no_grad()
+def hidden_states(target, ids, attention_mask):
+    """The target's HF hidden states of a batch (L + 1 of them, embeddings first), its logits
+    only at the last position: the loss reads lm_head where it needs it, never (b, S, V) at once."""
+    return target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1).hidden_states
+
+
 def token_digest(ids):
     return hashlib.sha256(ids.cpu().long().numpy().tobytes()).hexdigest()
 
@@ -199,9 +206,8 @@ class TargetFeatures:
         lengths = attention_mask.sum(1).tolist()
         held = [self._get(r, ids[i, :n]) for i, (r, n) in enumerate(zip(rows, lengths))]
         if any(h is None for h in held):
-            with torch.no_grad():
-                out = target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1)
-            read = [out.hidden_states[l + 1] for l in self.layer_ids] + [out.hidden_states[-1]]
+            states = hidden_states(target, ids, attention_mask)
+            read = [states[l + 1] for l in self.layer_ids] + [states[-1]]
             for i, (r, n) in enumerate(zip(rows, lengths)):
                 if held[i] is None:
                     self._put(r, ids[i, :n], torch.cat([x[i, :n] for x in read], -1).cpu())

@@ -29,8 +29,8 @@ from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, r
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
 from data import collate, load_rows, parse_template_kwargs, read_conversations
 from regenerate import regenerate_file
-from target import (TargetFeatures, choose_mask_token, decoding_dtype, is_gguf, load_config, load_target,
-                    load_tokenizer, training_dtype)
+from target import (TargetFeatures, choose_mask_token, decoding_dtype, hidden_states, is_gguf, load_config,
+                    load_target, load_tokenizer, training_dtype)
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -257,11 +257,7 @@ def loss_step(drafter, target, batch, cfg, max_anchors, seeds, with_metrics=True
     loss, under bf16 autocast when the target is below float32. data_parallel: the loss weights
     are the global batch's (mean_over_ranks). -> (loss, stats), stats floats with_metrics."""
     ids, attn, loss_mask = batch
-    if features is None:
-        with torch.no_grad():
-            states = target(input_ids=ids, attention_mask=attn, output_hidden_states=True, logits_to_keep=1).hidden_states
-    else:
-        states = features.hidden_states(target, ids, attn, rows)
+    states = hidden_states(target, ids, attn) if features is None else features.hidden_states(target, ids, attn, rows)
     anchors, valid = row_anchors(loss_mask, max_anchors, seeds)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=target.dtype in (torch.bfloat16, torch.float16)):
         sums, metrics = loss_sums(drafter, target, ids, attn, loss_mask, states, anchors, valid, cfg, with_metrics)

@@ -231,7 +231,7 @@ def train_part(device, repeats, quick):
     the target part, the drafter's loss forward + backward, and the whole step with AdamW, rounds
     interleaved; each step's floor is its product FLOPs at this machine's product rate."""
     import train
-    from target import TargetFeatures, native_bf16_cpu
+    from target import TargetFeatures, hidden_states, native_bf16_cpu
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -259,14 +259,10 @@ def train_part(device, repeats, quick):
             key = {"target_weights": [0.0], "target_layer_ids": c.target_layer_ids, "dtype": dtype}
             features = TargetFeatures(key, c.target_layer_ids, shape["layers"])
             features.hidden_states(target, ids, ones, rows)  # filled once, as a run's first epoch does
-        states = features.hidden_states(target, ids, ones, rows) if features else \
-            target(input_ids=ids, attention_mask=ones, output_hidden_states=True, logits_to_keep=1).hidden_states
+        states = features.hidden_states(target, ids, ones, rows) if features else hidden_states(target, ids, ones)
 
         def target_part(target=target, features=features):
-            if features is not None:
-                return features.hidden_states(target, ids, ones, rows)
-            with torch.no_grad():
-                return target(input_ids=ids, attention_mask=ones, output_hidden_states=True, logits_to_keep=1)
+            return features.hidden_states(target, ids, ones, rows) if features else hidden_states(target, ids, ones)
 
         def loss_part(drafter=drafter, target=target, cfg=cfg, states=states):
             drafter.zero_grad(set_to_none=True)
