@@ -40,8 +40,10 @@ def generate(target, prompts, stop_ids, max_new_tokens, pad_id, temperature=0.0,
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     cache, new = None, []
     for _ in range(max_new_tokens):
+        # the last column's logits only, picked by an index (a copy, one row per prompt): through the
+        # strided slice that logits_to_keep=1 takes, matmul copies lm_head once per row on a CPU
         out = target(input_ids=ids, attention_mask=attn, position_ids=pos, cache=cache, use_cache=True,
-                     logits_to_keep=1)
+                     logits_to_keep=torch.tensor([ids.shape[1] - 1], device=device))
         logits, cache = out.logits[:, -1].float(), out.cache  # (b, V)
         tok = dflash2.sample(logits, temperature, top_p, top_k, generator)  # (b,)
         new.append(tok.masked_fill(done, pad_id))

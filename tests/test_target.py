@@ -186,7 +186,8 @@ def regenerated(llama):
     prompts, out = llama["root"] / "prompts.jsonl", llama["root"] / "chats.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
     train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
-                                       "--regen-max-new-tokens", "12", "--regen-batch-size", "4"]), log=lambda *a: None)
+                                       "--regen-max-new-tokens", "12", "--regen-batch-size", "4",
+                                       "--dtype", "float32"]), log=lambda *a: None)
     return out
 
 
@@ -212,7 +213,8 @@ def test_regenerate_renders_with_the_chat_template_flag(llama, tmp_path):
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "chats.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
     train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
-                                       "--chat-template", str(tmp_path / "t.jinja"), "--regen-max-new-tokens", "6"]),
+                                       "--chat-template", str(tmp_path / "t.jinja"), "--regen-max-new-tokens", "6",
+                                       "--dtype", "float32"]),
                      log=lambda *a: None)
     got = [json.loads(line)["messages"][1]["content"] for line in out.read_text().split("\n")[:-1]]
     tokenizer = transformers.AutoTokenizer.from_pretrained(llama["path"])
@@ -344,7 +346,7 @@ def test_gguf_target_loads_as_the_llama_written(gguf_file):
     assert tokenizer.decode(ids) == "<|im_start|>user\nat tea", tokenizer.decode(ids)
     assert (tokenizer.eos_token, tokenizer.pad_token) == ("<|im_end|>", "<|im_end|>"), (tokenizer.eos_token,
                                                                                          tokenizer.pad_token)
-    model = target.load_target(path, "auto", torch.device("cpu"))
+    model = target.load_target(path, "float32", torch.device("cpu"))
     assert type(model) is transformers.LlamaForCausalLM, type(model)
     assert model.dtype == torch.float32 and not any(p.requires_grad for p in model.parameters())
     state = model.state_dict()

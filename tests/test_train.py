@@ -473,8 +473,8 @@ def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
            "dtype": "float32"}
     make = lambda folder=None: train.TargetFeatures(key, drafter.config.target_layer_ids,
                                                     target.config.num_hidden_layers, folder)
-    calls, forward = [], target.forward
-    target.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    calls, forward = [], target.base_model.forward
+    target.base_model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     for cache in (make(), make(tmp_path / "features")):
         for use in ("fills", "reads"):
             got = step(drafter, target, batch, args, features=cache, rows=[4, 0, 9])
@@ -485,6 +485,21 @@ def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
     assert resumed[0] == online[0] and len(calls) == 2, "a second cache on the same folder recomputed the rows"
     assert sorted(p.name for p in (tmp_path / "features").iterdir()) == \
         ["key.json", "row00000000.safetensors", "row00000004.safetensors", "row00000009.safetensors"]
+
+
+def test_the_target_pass_gives_the_whole_models_hidden_states_and_never_runs_lm_head(world):
+    """target.hidden_states reads the decoder alone: the same L + 1 states as the whole model's
+    forward (the last after the final norm), and no logits at all."""
+    _, batch, target, _ = step_inputs(world)
+    ids, attn = batch[:2]
+    want = target(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
+    heads, forward = [], target.lm_head.forward
+    target.lm_head.forward = lambda *a, **k: heads.append(1) or forward(*a, **k)
+    got = train.hidden_states(target, ids, attn)
+    del target.lm_head.forward
+    assert len(got) == len(want) == target.config.num_hidden_layers + 1
+    assert all(torch.equal(g, w) for g, w in zip(got, want)), "a hidden state differs from the whole model's"
+    assert not heads, "the target pass ran lm_head"
 
 
 def test_a_cache_of_another_target_or_other_rows_is_refused(world, tmp_path):
