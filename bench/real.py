@@ -183,6 +183,19 @@ def plot_curves(curves, path):
 
 
 @torch.no_grad()
+def greedy_agreement(target, rows):
+    """The share of the rows' answer tokens that this target picks greedily given the text before
+    (teacher forced): how on-policy answers written by the target in another dtype are for the
+    float32 target that verifies."""
+    agree, n = 0, 0
+    for r in rows:
+        ids, mask = r["input_ids"], r["loss_mask"].bool()
+        picks = target(input_ids=ids[None]).logits[0, :-1].argmax(-1)
+        agree, n = agree + int((picks == ids[1:])[mask[1:]].sum()), n + int(mask[1:].sum())
+    return agree / n
+
+
+@torch.no_grad()
 def verify_seconds(target, prompt, repeats=20):
     """Median seconds of one target forward of w tokens after the prompt's cache, for each w of
     VERIFY_WIDTHS (w = 1 is a plain decoding step; w = B is a verification), interleaved rounds."""
@@ -317,7 +330,8 @@ def measure(args, log=print):
         conversations = sum(1 for _ in f)
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,
                "world_dtype": Path(data_path).parent.name.rsplit("-", 1)[1], "answer_tokens": args.answer_tokens,
-               "tasks": [t for t, _ in tasks], **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
+               "greedy_agreement": greedy_agreement(target, val), "tasks": [t for t, _ in tasks],
+               **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
     # the walk against its own unary path for DFlash2 and its codebook option; the label option
     # decodes through its walk only
     train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
@@ -349,7 +363,9 @@ def main(args):
     t0 = time.time()
     results = measure(args)
     plot_curves(results["curves"], os.path.join(args.out_dir, "learning_curves.png"))
-    extra = curves_markdown(results["curves"])
+    extra = (f"\nThe world: {results['train_prompts']} answers written by the target in {results['world_dtype']}; "
+             f"the float32 target that verifies picks {100 * results['greedy_agreement']:.1f}% of the validation "
+             f"answers' tokens itself (teacher forced, greedy).\n\n" + curves_markdown(results["curves"]))
     if "wall_clock" in results:
         extra += "\n" + wall_clock_markdown(results["wall_clock"]["drafter"], results["wall_clock"])
     return report(results, args.out_dir, t0, extra)

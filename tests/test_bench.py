@@ -394,6 +394,49 @@ def test_target_entropy_equals_a_loop_over_answer_tokens():
     assert ablation.target_entropy(target, rows, (0.7, 0.8, 6)) < ablation.target_entropy(target, rows, (1, 1, 0))
 
 
+def test_greedy_agreement_counts_answer_tokens_the_target_would_pick():
+    """Rows whose answers are the target's own greedy continuation agree fully; each answer
+    token changed by hand costs exactly one of the answer tokens. Reference: argmax_loop, the
+    plain greedy loop, and the count of changed tokens."""
+    from conftest import argmax_loop
+    target = tiny_qwen3(vocab_size=40)
+    rows = []
+    for prompt in ([3, 5, 7], [11, 2]):
+        answer, _ = argmax_loop(target, prompt, 6)
+        ids = torch.tensor(prompt + answer)
+        rows.append({"input_ids": ids, "loss_mask": torch.tensor([0] * len(prompt) + [1] * len(answer))})
+    assert real.greedy_agreement(target, rows) == 1.0
+    wrong = rows[1]["input_ids"].clone()
+    wrong[3] = (wrong[3] + 1) % 40  # the second answer token: its own pick and the next token's context change
+    got = real.greedy_agreement(target, [rows[0], {**rows[1], "input_ids": wrong}])
+    after = lambda t: int(target(input_ids=wrong[None, :t]).logits[0, -1].argmax())  # its pick after wrong[:t]
+    want = (6 + sum(after(t) == int(wrong[t]) for t in range(2, 8))) / 12  # answer tokens: 2..7 of the second row
+    assert got == want and got < 1, (got, want)
+
+
+def test_wall_clock_checks_identical_output_and_reports_the_break_even_it_measures(monkeypatch):
+    """On a tiny target and drafter: spec_generate's greedy output equals target_generate's, the
+    break-even AL is the reported cycle over the reported plain step, and the B = 4 estimate
+    swaps the 8-token verification for the 4-token one. A drafter that changes the output is
+    refused with the prompt's index."""
+    from conftest import tiny_drafter
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
+    prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]])]
+    w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, log=lambda *a: None)
+    assert w["identical"] and w["prompts"] == 2
+    assert w["break_even_al"][8] == pytest.approx(w["cycle_seconds"] / w["plain_step_seconds"])
+    v = w["verify_seconds"]
+    assert w["break_even_al"][4] == pytest.approx((w["cycle_seconds"] - v[8] + v[4]) / w["plain_step_seconds"])
+    assert set(v) == {1, 4, 8} and all(t > 0 for t in v.values())
+    assert 1 <= w["al_capped_at_4"] <= min(4, w["mean_al"])
+    real_spec = dflash2.spec_generate
+    monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, p, *a, **k: (
+        (lambda out: (out[0] + (len(p[0]) == 3), out[1]))(real_spec(d, t, p, *a, **k))))
+    with pytest.raises(RuntimeError, match="prompt 1: spec_generate's greedy output differs"):
+        real.wall_clock(drafter, target, prompts, 12, stop_id=39, log=lambda *a: None)
+
+
 # -----------------------------------------------------------------------------
 # smoke runs
 
