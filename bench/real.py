@@ -241,7 +241,7 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
     b = drafter.config.block_size
     cycle_at_4 = cycle - verify[b] + verify[4]  # the same draft pass, a 4-token verification
     lengths = [n for s in spec for n in s.acceptance_lengths]
-    out = {"prompts": len(prompts), "identical": True, "speedup": ratio_ci(rate(spec), rate(plain)),
+    out = {"prompts": len(prompts), "speedup": ratio_ci(rate(spec), rate(plain)),
            "tokens_per_s": {"target_generate": sum(s.new_tokens for s in plain) / sum(s.decode_seconds for s in plain),
                             "spec_generate": sum(s.new_tokens for s in spec) / sum(s.decode_seconds for s in spec)},
            "mean_al": sum(lengths) / cycles, "plain_step_seconds": step, "cycle_seconds": cycle,
