@@ -26,6 +26,8 @@ QWEN3_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_he
                "num_kv_heads": "num_key_value_heads"}  # DFlash2Config field -> config.json key, where they differ
 DFLASH_FIELDS = ("block_size", "mask_token_id", "target_layer_ids")        # in config.json's dflash_config
 DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")  # there, for DFlash2 only
+VIEW_FIELDS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": None}  # there too,
+# under z-lab's names, where they differ from these plain values (the target's transforms, §1)
 EXPORT_FORMATS = ("z-lab", "speculators")  # config.json's layout; the tensors are the same
 SPECULATORS_VERSION = "0.9.0"  # the vllm-project speculators release whose config format speculators_config writes
 SPECULATORS_TYPES = {"dflash2": ("DFlash2DraftModel", "DFlash2SpeculatorConfig"),  # speculators_model_type ->
@@ -33,15 +35,9 @@ SPECULATORS_TYPES = {"dflash2": ("DFlash2DraftModel", "DFlash2SpeculatorConfig")
 SPECULATORS_INERT = (  # speculators fields that change nothing this drafter computes
     "architectures", "auto_map", "speculators_version", "speculators_config", "torch_dtype", "dtype",
     "transformers_version",
-    "tie_word_embeddings",        # the drafter has no embedding or head of its own: it borrows the target's
-    "sliding_window_non_causal")  # masking of sliding-window layers, which are refused
-SUPPORTED = {  # config.json fields that change what a drafter computes: any other value is refused, not ignored
-    "output_multiplier": lambda v: v in (None, 1), "final_logit_softcapping": lambda v: v is None,
-    "input_embedding_scale": lambda v: v in (None, 1), "use_sliding_window": lambda v: not v,
-    "layer_types": lambda v: all(t == "full_attention" for t in v or []),
-    "is_causal": lambda v: not v,  # attention inside a block is bidirectional
+    "tie_word_embeddings")        # the drafter has no embedding or head of its own: it borrows the target's
+SUPPORTED = {  # layer fields that change what a drafter computes: any other value is refused, not ignored
     "hidden_act": lambda v: v in (None, "silu"), "attention_bias": lambda v: not v,
-    "rope_parameters": lambda v: (v or {}).get("rope_type", (v or {}).get("type", "default")) == "default",
 }
 
 
@@ -60,10 +56,12 @@ def layer_config(c):
         "attention_bias": False,
         "rms_norm_eps": c.rms_norm_eps,
         "rope_theta": c.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_parameters": {"rope_type": "default", **(c.rope_scaling or {}), "rope_theta": c.rope_theta},
         "vocab_size": c.vocab_size,
         "max_position_embeddings": c.max_position_embeddings,
         "tie_word_embeddings": False,
+        **({} if c.layer_types is None else {  # Qwen3Config drops sliding_window unless use_sliding_window
+            "layer_types": c.layer_types, "use_sliding_window": True, "sliding_window": c.sliding_window}),
     }
 
 
@@ -75,7 +73,9 @@ def checkpoint_config(c):
         **layer_config(c),
         "num_target_layers": c.num_target_layers,
         "block_size": c.block_size,
-        "dflash_config": {k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())},
+        "dflash_config": {**{k: getattr(c, k) for k in DFLASH_FIELDS + (DFLASH2_FIELDS if c.is_dflash2 else ())},
+                          **{k: getattr(c, k) for k, plain in VIEW_FIELDS.items() if getattr(c, k) != plain}},
+        **({} if c.layer_types is None else {"is_causal": False}),  # z-lab's default makes sliding layers causal
     }
 
 
@@ -85,6 +85,10 @@ def speculators_config(c, verifier):
     HF hidden_states indices (aux id = target layer id + 1), no record of the target's layer
     count, and the verifier vLLM serves the drafter with: {"name_or_path", "architectures"}."""
     kind = "dflash2" if c.is_dflash2 else "dflash"
+    transformed = [k for k, plain in VIEW_FIELDS.items() if getattr(c, k) != plain]
+    if transformed:
+        raise ValueError(f"the speculators format has no field for {', '.join(transformed)} (this target's transforms of "
+                         "its tables): export in the z-lab format, which vLLM and SGLang read too")
     architecture, config_class = SPECULATORS_TYPES[kind]
     dflash2_fields = {k: getattr(c, k) for k in DFLASH2_FIELDS} if c.is_dflash2 else {}
     return {
@@ -96,7 +100,7 @@ def speculators_config(c, verifier):
         "draft_vocab_size": c.vocab_size,
         "mask_token_id": c.mask_token_id,
         "sample_from_anchor": False,
-        "sliding_window_non_causal": c.is_dflash2,  # speculators' default per type; no effect without sliding layers
+        "sliding_window_non_causal": c.is_dflash2 or c.layer_types is not None,  # speculators' default per type
         "speculators_config": {
             "algorithm": kind,
             "default_proposal_method": "greedy",
@@ -113,30 +117,61 @@ def speculators_config(c, verifier):
 
 
 def layer_fields(layer, where):
-    """The inverse of layer_config -> DFlash2Config's layer fields, refusing what SUPPORTED refuses."""
-    layer = {**layer, "rope_parameters": layer.get("rope_parameters") or layer.get("rope_scaling")}
+    """The inverse of layer_config -> DFlash2Config's layer fields, refusing what SUPPORTED refuses.
+    layer: a Qwen3 config as transformers' config class reads it (its sliding layers effective)."""
     for name, ok in SUPPORTED.items():
         if not ok(layer.get(name)):
             raise ValueError(f"{where}: {name} = {layer[name]!r} is not supported by this implementation (only the "
-                             "plain Qwen3 drafter: no soft-capping, multipliers, sliding windows or RoPE scaling)")
+                             "Qwen3 drafter layer: silu MLP, no attention bias)")
+    rope = dict(layer.get("rope_parameters") or layer.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", None) or layer["rope_theta"]  # transformers: rope_parameters' wins
+    kind = rope.pop("type", None) or rope.get("rope_type", "default")
+    types = layer.get("layer_types") if layer.get("sliding_window") is not None else None
     return dict(
         {k: layer[QWEN3_NAMES.get(k, k)] for k in ("hidden_size", "intermediate_size", "num_layers", "num_heads",
                                                    "num_kv_heads", "vocab_size", "rms_norm_eps",
                                                    "max_position_embeddings")},
         head_dim=layer.get("head_dim") or layer["hidden_size"] // layer["num_attention_heads"],
-        rope_theta=layer.get("rope_theta") or layer["rope_parameters"]["rope_theta"])
+        rope_theta=theta,
+        rope_scaling=None if kind == "default" else {**rope, "rope_type": kind},
+        **({} if not types or "sliding_attention" not in types else
+           dict(layer_types=list(types), sliding_window=layer["sliding_window"])))
+
+
+def as_read(layer, where):
+    """A drafter layer config as transformers' config class for its model_type reads it, the way the
+    engines read it: fields left out take the class's defaults, sliding layers exist only with
+    use_sliding_window."""
+    import transformers
+    layer = dict(layer)
+    model_type = layer.pop("model_type", "qwen3")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **layer).to_dict()
+    except ValueError:
+        raise ValueError(f"{where}: model_type {model_type!r} is not a config transformers knows") from None
 
 
 def zlab_fields(raw, where):
-    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports."""
+    """The inverse of checkpoint_config, for DFlash2 and DFlash (v1) exports. The target's transforms
+    are read where z-lab reads them: dflash_config, else the top level."""
     if (raw.get("architectures") or [None])[0] not in ("DFlash2DraftModel", "DFlashDraftModel"):
         raise ValueError(f"{where}: architectures {raw.get('architectures')} is not a DFlash drafter "
                          "(expected ['DFlash2DraftModel'] or ['DFlashDraftModel'])")
     d = raw.get("dflash_config", {})
-    return dict(layer_fields(raw, where), num_target_layers=raw["num_target_layers"],
+    read = as_read({k: v for k, v in raw.items() if k not in ("architectures", "dflash_config", "auto_map")}, where)
+    layer = {**raw, **{k: read.get(k) for k in ("layer_types", "sliding_window", "rope_parameters")}}
+    fields = layer_fields(layer, where)
+    sliding = [i for i, t in enumerate(fields.get("layer_types") or []) if t == "sliding_attention"]
+    causal = [i for i, t in enumerate(layer.get("layer_types") or []) if t == "sliding_attention"] if (
+        raw.get("is_causal") is None) else list(range(fields["num_layers"])) if raw["is_causal"] else []
+    if causal:
+        raise ValueError(f"{where}: is_causal = {raw.get('is_causal')!r} makes draft layers {causal} causal (z-lab "
+                         "makes sliding_attention layers causal unless is_causal is false); a block is bidirectional")
+    view = {k: d.get(k, raw.get(k, plain)) for k, plain in VIEW_FIELDS.items()}
+    return dict(fields, num_target_layers=raw["num_target_layers"],
                 block_size=d.get("block_size") or raw["block_size"], mask_token_id=d["mask_token_id"],
                 target_layer_ids=d["target_layer_ids"], conv_kernel_size=d.get("conv_kernel_size", 0),
-                selector_top_k=d.get("selector_top_k", 0),
+                selector_top_k=d.get("selector_top_k", 0), **{k: v for k, v in view.items() if v is not None},
                 **{k: d[k] for k in ("conv_group_size", "selector_rank") if k in d})
 
 
@@ -145,26 +180,23 @@ def speculators_fields(raw, where):
     field is mapped, checked or known to change nothing here (SPECULATORS_INERT); any other is
     refused by name. transformer_layer_config is read as speculators reads it (transformers'
     config class for its model_type, so fields left at their default are filled in)."""
-    import transformers
     kind = raw["speculators_model_type"]
     if kind not in SPECULATORS_TYPES:
         raise ValueError(f"{where}: speculators_model_type {kind!r} is not a DFlash drafter "
                          f"(expected one of {sorted(SPECULATORS_TYPES)})")
     known = {"speculators_model_type", "transformer_layer_config", "aux_hidden_state_layer_ids", "block_size",
              "mask_token_id", "sample_from_anchor", "draft_vocab_size", "target_hidden_size", *SPECULATORS_INERT,
+             "sliding_window_non_causal",
              *(DFLASH2_FIELDS if kind == "dflash2" else ())}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ValueError(f"{where}: {', '.join(unknown)} is not a field of a speculators {kind!r} config that this "
                          "implementation maps (refused, not ignored)")
-    layer = dict(raw["transformer_layer_config"])
-    model_type = layer.pop("model_type", "qwen3")
-    try:
-        layer = transformers.AutoConfig.for_model(model_type, **layer).to_dict()
-    except ValueError:
-        raise ValueError(f"{where}: transformer_layer_config has model_type {model_type!r}, which transformers "
-                         "does not know") from None
-    fields = layer_fields(layer, f"{where}: transformer_layer_config")
+    fields = layer_fields(as_read(raw["transformer_layer_config"], f"{where}: transformer_layer_config"),
+                          f"{where}: transformer_layer_config")
+    if fields.get("layer_types") and not raw.get("sliding_window_non_causal"):
+        raise ValueError(f"{where}: sliding_window_non_causal = {raw.get('sliding_window_non_causal')!r} makes the "
+                         "sliding layers causal; a block is bidirectional")
     H, V, ids = fields["hidden_size"], fields["vocab_size"], raw["aux_hidden_state_layer_ids"]
     for name, ok, why in (
             ("sample_from_anchor", not raw.get("sample_from_anchor"), "the anchor is the verified token, never drafted"),

@@ -69,30 +69,35 @@ class DFlash2Config:
     selector_top_k: int = 16       # 0 turns the candidate selector off
     selector_codebooks: str = "free"  # or "factored": A = E·W_A, Bc = E·W_B from the target's embedding E (§3)
     # conv and selector both off = plain DFlash (v1)
+    rope_scaling: dict | None = None      # the target's RoPE type and its parameters but rope_theta; None: plain (§1)
+    input_embedding_scale: float = 1.0    # the target's view of its tables (§1): block embeddings = rows × this,
+    output_multiplier: float = 1.0        # logits = lm_head(h) × this,
+    final_logit_softcapping: float | None = None  # then c·tanh(logits / c)
+    layer_types: list | None = None       # per draft layer "full_attention" or "sliding_attention"; None: all full
+    sliding_window: int | None = None     # W of the sliding layers: a key at distance >= W from the query is hidden
 
     def __post_init__(self):
         self.target_layer_ids = list(self.target_layer_ids)
+        self.layer_types = None if self.layer_types is None else list(self.layer_types)
         check_config(self)
 
     @classmethod
     def from_target(cls, target_config, **overrides):
-        """Drafter shape from a transformers target config (drafter width = target width)."""
-        rope = getattr(target_config, "rope_parameters", None) or {}
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"target rope_type {rope['rope_type']!r} is not supported, only 'default'")
-        L = target_config.num_hidden_layers
+        """Drafter shape from a transformers target config (drafter width = target width), with the
+        target's RoPE and the transforms its forward applies to its tables (target_view)."""
+        tc = target_config.get_text_config()
+        L = tc.num_hidden_layers
         if "mask_token_id" not in overrides:
             raise ValueError("from_target needs mask_token_id: an existing but unused token id of the target")
-        tc, n_heads = target_config, target_config.num_attention_heads
+        n_heads = tc.num_attention_heads
         shape = dict(
             hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
             num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
-            num_target_layers=L, target_layer_ids=default_target_layer_ids(L), rms_norm_eps=tc.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(tc, "rope_theta", 1e6)),
-            max_position_embeddings=tc.max_position_embeddings)
+            num_target_layers=L, target_layer_ids=default_target_layer_ids(L),
+            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+            **target_rope(tc), **target_view(tc))
         return cls(**{**shape, **known_fields(overrides)})
-
     @property
     def is_dflash2(self):
         return bool(self.conv_kernel_size or self.selector_top_k)
@@ -116,6 +121,9 @@ def check_config(c):
          f"mask_token_id ({c.mask_token_id}) must be a token of the target vocabulary [0, {c.vocab_size})"),
         (c.selector_codebooks in ("free", "factored"),
          f"selector_codebooks ({c.selector_codebooks!r}) must be 'free' or 'factored'"),
+        (c.input_embedding_scale > 0 and c.output_multiplier > 0 and (c.final_logit_softcapping or 1) > 0,
+         f"input_embedding_scale ({c.input_embedding_scale}), output_multiplier ({c.output_multiplier}) and "
+         f"final_logit_softcapping ({c.final_logit_softcapping}) must be > 0 (softcapping: or None)"),
         (ids, "target_layer_ids is empty: the drafter needs at least one target layer"),
         (all(0 <= l < L for l in ids),
          f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})"),
@@ -124,6 +132,22 @@ def check_config(c):
          "after the final norm, and serving engines, which capture each layer's input, never see it; use layers "
          f"below {L - 1}"),
     )
+    kind = (c.rope_scaling or {}).get("rope_type", "default")
+    missing = [k for k in ROPE_KEYS.get(kind, ()) if (c.rope_scaling or {}).get(k) is None]
+    rules += ((kind in ROPE_KEYS, f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})"),
+              (not missing, f"rope_type {kind!r} needs {missing} in rope_scaling"))
+    if kind == "longrope":
+        rules += tuple((len(c.rope_scaling[k]) == c.head_dim // 2,
+                        f"longrope {k} has {len(c.rope_scaling[k])} entries, expected head_dim / 2 = {c.head_dim // 2}")
+                       for k in ("short_factor", "long_factor"))
+    if c.layer_types is not None:
+        rules += ((len(c.layer_types) == c.num_layers,
+                   f"layer_types has {len(c.layer_types)} entries for num_layers = {c.num_layers}"),
+                  (set(c.layer_types) <= {"full_attention", "sliding_attention"},
+                   f"layer_types {sorted(set(c.layer_types))} may only hold 'full_attention' and 'sliding_attention'"))
+    if "sliding_attention" in (c.layer_types or ()):
+        rules += ((isinstance(c.sliding_window, int) and c.sliding_window >= 1,
+                   f"sliding_window ({c.sliding_window!r}) must be an integer >= 1 for sliding_attention layers"),)
     if c.conv_kernel_size:
         rules += (
             (1 <= c.conv_kernel_size <= c.block_size,
@@ -157,6 +181,41 @@ def default_target_layer_ids(num_target_layers, num_features=5):
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 
+ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),  # rope_type -> what it reads
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("original_max_position_embeddings",),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+
+
+def target_rope(tc):
+    """The target's rope_parameters as DFlash2Config fields: rope_theta and rope_scaling (the rest,
+    None for plain RoPE). Gemma-3 keeps one set per layer type: the drafter takes its full-attention
+    layers'. The drafter rotates its whole head: a target's partial_rotary_factor is its own business,
+    except under longrope, whose factors cover the rotated part only."""
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope = dict(rope.get("full_attention", rope))
+    partial = rope.pop("partial_rotary_factor", None) or getattr(tc, "partial_rotary_factor", None) or 1.0
+    theta = rope.pop("rope_theta", None) or getattr(tc, "rope_theta", None) or 1e6
+    kind = rope.pop("type", None) or rope.get("rope_type", "default")
+    if kind == "longrope" and partial != 1:
+        raise ValueError(f"target rope_type 'longrope' with partial_rotary_factor {partial}: its factors cover part "
+                         "of a head, and the drafter rotates whole heads")
+    if "original_max_position_embeddings" in ROPE_KEYS.get(kind, ()) and hasattr(tc, "original_max_position_embeddings"):
+        rope.setdefault("original_max_position_embeddings", tc.original_max_position_embeddings)
+    return dict(rope_theta=theta, rope_scaling=None if kind == "default" else {**rope, "rope_type": kind})
+
+
+def target_view(tc):
+    """What the target's forward does to its tables, as DFlash2Config fields: Gemma scales the
+    embedding rows by √H (inside its embedding module) and Gemma-2 soft-caps the logits; Granite
+    multiplies the embeddings by embedding_multiplier and divides the logits by logits_scaling.
+    A family that does anything else is caught by check_target_view, not followed silently."""
+    gemma = tc.model_type.startswith(("gemma", "recurrent_gemma"))
+    return dict(input_embedding_scale=tc.hidden_size ** 0.5 if gemma else getattr(tc, "embedding_multiplier", 1.0),
+                output_multiplier=1.0 / getattr(tc, "logits_scaling", 1.0),
+                final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None)
+
+
 # -----------------------------------------------------------------------------
 # small pure helpers
 
@@ -186,12 +245,93 @@ def check_target(c, target):
     return embed, lm_head
 
 
-def rope_cos_sin(positions, head_dim, theta, dtype):
-    """Rotary tables for integer positions (b, N·B) -> (b, N·B, hd), as in Qwen3 (half-table repeated)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float) / head_dim))
-    freqs = positions[..., None].float() * inv_freq
+def embed_tokens(c, embedding, ids):
+    """The target's view of token ids (§1): its raw embedding rows × input_embedding_scale, as engines
+    compute the drafter's block (a scaled embedding module's own forward is not used)."""
+    return F.embedding(ids, embedding.weight) * c.input_embedding_scale if c.input_embedding_scale != 1 else (
+        F.embedding(ids, embedding.weight))
+
+
+def target_logits(c, lm_head, x):
+    """The target's logits from final hidden states x (§1): lm_head(x) at least in fp32 (head_logits),
+    × output_multiplier, soft-capped at final_logit_softcapping."""
+    y = head_logits(lm_head, x)
+    y = y * c.output_multiplier if c.output_multiplier != 1 else y
+    cap = c.final_logit_softcapping
+    return torch.tanh(y / cap) * cap if cap else y
+
+
+@torch.no_grad()
+def check_target_view(c, target, ids):
+    """The drafter's view of the target against the target's own forward on ids (1, n): embed_tokens
+    must give its hidden_states[0] and target_logits of its last hidden state its logits. A family
+    whose forward does anything else to its tables is refused by name, before any training."""
+    embed, lm_head = check_target(c, target)
+    out = target(ids, output_hidden_states=True)
+    tolerance = 1e-4 if embed.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    for what, ours, theirs in (("embeddings (hidden_states[0])", embed_tokens(c, embed, ids), out.hidden_states[0]),
+                               ("logits", target_logits(c, lm_head, out.hidden_states[-1]), out.logits)):
+        ours, theirs = ours.double(), theirs.double()
+        error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
+        if not error <= tolerance:
+            raise ValueError(f"the {target.config.model_type!r} target's {what} differ from what the drafter computes "
+                             f"from its tables (relative difference {error:.2g}): its forward transforms them in a way "
+                             "this implementation does not follow (it knows embedding scales, logit multipliers and "
+                             "final-logit soft-capping)")
+
+
+def rope_frequencies(c, seq_len=None):
+    """§1: the drafter's RoPE, of the target's type, as Hugging Face computes it -> (inverse
+    frequencies (hd/2,) fp32, the scale of cos / sin). seq_len bounds the forward's positions:
+    longrope switches to its long factors past the original context, and dynamic NTK, whose
+    frequencies past max_position_embeddings depend on the longest sequence a model has read, is
+    plain RoPE inside it and refused beyond."""
+    p, d, base = c.rope_scaling or {"rope_type": "default"}, c.head_dim, c.rope_theta
+    kind, exponent = p["rope_type"], torch.arange(0, d, 2, dtype=torch.float) / d
+    inv, scale = 1.0 / (base ** exponent), 1.0
+    if kind == "linear":
+        inv = inv / p["factor"]
+    elif kind == "dynamic" and seq_len is not None and seq_len > c.max_position_embeddings:
+        raise ValueError(f"dynamic RoPE at position {seq_len - 1}, past max_position_embeddings "
+                         f"({c.max_position_embeddings}): its frequencies there depend on the model's history")
+    elif kind == "llama3":  # long wavelengths interpolated by factor, short ones kept, a smooth ramp between
+        old, low, high, factor = (p[k] for k in ("original_max_position_embeddings", "low_freq_factor",
+                                                 "high_freq_factor", "factor"))
+        wavelength = 2 * math.pi / inv
+        smooth = (old / wavelength - low) / (high - low)
+        scaled = torch.where(wavelength > old / low, inv / factor, inv)
+        medium = (wavelength >= old / high) & (wavelength <= old / low)
+        inv = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
+    elif kind in ("yarn", "longrope"):
+        old = p["original_max_position_embeddings"]
+        factor = p.get("factor") or c.max_position_embeddings / old
+        scale = p.get("attention_factor")
+        if kind == "longrope":
+            if scale is None:
+                scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
+            long = seq_len is not None and seq_len > old
+            inv = 1.0 / (torch.tensor(p["long_factor" if long else "short_factor"]) * base ** exponent)
+        else:  # yarn: interpolate the dimensions that turn fewer than beta_slow times over the original context
+            mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+            if scale is None:
+                both = p.get("mscale") and p.get("mscale_all_dim")
+                scale = float(mscale(p["mscale"]) / mscale(p["mscale_all_dim"])) if both else mscale()
+            dim_at = lambda turns: d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(base))
+            low, high = dim_at(p.get("beta_fast") or 32), dim_at(p.get("beta_slow") or 1)
+            if p.get("truncate", True):
+                low, high = math.floor(low), math.ceil(high)
+            low, high = max(low, 0), min(high, d - 1)
+            ramp = ((torch.arange(d // 2, dtype=torch.float) - low) / ((high if high != low else high + 0.001) - low))
+            keep = 1 - ramp.clamp(0, 1)  # 1: extrapolated (kept), 0: interpolated (divided by factor)
+            inv = 1.0 / (factor * base ** exponent) * (1 - keep) + 1.0 / (base ** exponent) * keep
+    return inv, scale
+
+
+def rope_cos_sin(positions, inv_freq, scale, dtype):
+    """Rotary tables for integer positions (b, n) -> (b, n, hd), half-table repeated as in Qwen3."""
+    freqs = positions[..., None].float() * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
 def apply_rope(x, cos, sin):
@@ -227,20 +367,42 @@ class DraftCache:
         self.kv = [None] * num_layers
         self.length = 0
 
-    def extend(self, layer_idx, k, v):
+    def extend(self, layer_idx, k, v, keep=None):
+        """Append the new context's k, v (b, nkv, n, hd); keep: hold only the last `keep` positions
+        (a sliding layer's W − 1: the oldest that this pass's first query, the anchor, still sees)."""
         old = self.kv[layer_idx]
         if old is not None:
             k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        if keep is not None:
+            k, v = k[:, :, max(0, k.shape[2] - keep):], v[:, :, max(0, v.shape[2] - keep):]
         self.kv[layer_idx] = (k, v)
         return k, v
+
+
+def window_mask(query_pos, key_pos, window, mask=None):
+    """A sliding layer's view (§1): query position p sees key position k iff |p − k| < W, counted from
+    each query as the inference reference does (the block is never causal). query_pos (b, n), key_pos
+    (b, m) -> (b, 1, n, m) bool, and-ed with mask (b, 1, n, m) when given."""
+    near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < window
+    return near[:, None] if mask is None else mask & near[:, None]
+
+
+def cached_positions(cache, num_new, window, block_pos):
+    """A sliding layer's key positions in a cached pass: the last W − 1 positions of the context once
+    num_new more are appended (all DraftCache.extend keeps), then the block's block_pos (b, n)."""
+    total = cache.length + num_new
+    ctx = torch.arange(max(0, total - (window - 1)), total, device=block_pos.device)
+    return torch.cat([ctx.expand(block_pos.shape[0], -1), block_pos], 1)
 
 
 class Attention(nn.Module):
     """Queries from the block only; keys/values = [proj(ctx) ; proj(block)] (KV injection)."""
 
-    def __init__(self, c):
+    def __init__(self, c, layer_idx):
         super().__init__()
         self.c = c
+        sliding = (c.layer_types or ["full_attention"] * c.num_layers)[layer_idx] == "sliding_attention"
+        self.window = c.sliding_window if sliding else None  # None: full attention
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -260,7 +422,7 @@ class Attention(nn.Module):
         k_ctx = apply_rope(self.k_norm(self._split_heads(self.k_proj(ctx), nkv)), *ctx_rope)
         v_ctx = self._split_heads(self.v_proj(ctx), nkv)
         if cache is not None:
-            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx)
+            k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx, None if self.window is None else self.window - 1)
         k_blk = apply_rope(self.k_norm(self._split_heads(self.k_proj(x), nkv)), *block_rope)
         v_blk = self._split_heads(self.v_proj(x), nkv)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
@@ -322,10 +484,10 @@ class LocalConv(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c):
+    def __init__(self, c, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.self_attn = Attention(c)
+        self.self_attn = Attention(c, layer_idx)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
         self.attention_conv = LocalConv(c) if c.conv_kernel_size else None  # None: plain DFlash layer
@@ -374,8 +536,9 @@ class CandidateSelector(nn.Module):
         with torch.autocast(h.device.type, enabled=False):
             P = F.linear(h.float(), self.hidden_projection.weight.float())  # (..., R)
             if self.factored:
-                A = F.linear(embedding(prev).float(), self.predecessor_projection.weight.float())  # (..., R)
-                Bc = F.linear(embedding(cand).float(), self.successor_projection.weight.float())   # (..., K, R)
+                E = embedding.weight  # the raw rows, as the exported tables A = E·W_Aᵀ, Bc = E·W_Bᵀ read them
+                A = F.linear(E[prev].float(), self.predecessor_projection.weight.float())  # (..., R)
+                Bc = F.linear(E[cand].float(), self.successor_projection.weight.float())   # (..., K, R)
             else:
                 A, Bc = self.predecessor_codebook[prev].float(), self.successor_codebook[cand].float()
             pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
@@ -442,7 +605,7 @@ class DFlash2Drafter(nn.Module):
         c = self.config = config
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList(DecoderLayer(c) for _ in range(c.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c.num_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.candidate_selector = CandidateSelector(c) if c.selector_top_k else None
         self.grad_checkpoint = False  # True: keep only each layer's input, recompute the layer in backward
@@ -455,15 +618,24 @@ class DFlash2Drafter(nn.Module):
         With a cache, ctx_features are only the new context. Returns (b, N·B, H), normalized."""
         c = self.config
         ctx = self.hidden_norm(self.fc(ctx_features))  # computed once, shared by every layer
-        block_rope = rope_cos_sin(block_pos, c.head_dim, c.rope_theta, block_embeds.dtype)
-        ctx_rope = rope_cos_sin(ctx_pos, c.head_dim, c.rope_theta, block_embeds.dtype)
+        positions = torch.cat([ctx_pos, block_pos], 1)
+        longest = int(positions.max()) + 1 if (c.rope_scaling or {}).get("rope_type") in ("longrope", "dynamic") else None
+        inv_freq, scale = rope_frequencies(c, longest)
+        block_rope = rope_cos_sin(block_pos, inv_freq, scale, block_embeds.dtype)
+        ctx_rope = rope_cos_sin(ctx_pos, inv_freq, scale, block_embeds.dtype)
+        masks = {None: mask}
+        if c.sliding_window and "sliding_attention" in (c.layer_types or ()):
+            masks[c.sliding_window] = window_mask(block_pos, positions if cache is None else
+                                                  cached_positions(cache, ctx_features.shape[1], c.sliding_window,
+                                                                   block_pos), c.sliding_window, mask)
         h = block_embeds
         for i, layer in enumerate(self.layers):
+            layer_mask = masks[layer.self_attn.window]
             if self.grad_checkpoint and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, block_rope, ctx_rope, mask, cache, i,
+                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, block_rope, ctx_rope, layer_mask, cache, i,
                                                       use_reentrant=False)
             else:
-                h = layer(h, ctx, block_rope, ctx_rope, mask, cache, i)
+                h = layer(h, ctx, block_rope, ctx_rope, layer_mask, cache, i)
         if cache is not None:
             cache.length += ctx_features.shape[1]
         return self.norm(h)
@@ -672,10 +844,10 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 
-def weighted_sums(selector, embed, lm_head, cfg, h, ref_h, prev, w):
+def weighted_sums(c, selector, embed, lm_head, cfg, h, ref_h, prev, w):
     """Σ w·unary term (with a selector also Σ w·selector term, Σ w·selector weight) over n slots:
     h / ref_h (n, H) drafter / target final hidden states, prev / w (n,). n bounds the memory."""
-    term, sel, mass = slot_losses(h, head_logits(lm_head, h), head_logits(lm_head, ref_h), prev, selector,
+    term, sel, mass = slot_losses(h, target_logits(c, lm_head, h), target_logits(c, lm_head, ref_h), prev, selector,
                                   cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, embed, cfg.fused)
     if sel is None:
         return ((w * term).sum(),)
@@ -712,7 +884,7 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
-    h = drafter(embed(ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]  # (b, N, B-1, H)
+    h = drafter(embed_tokens(c, embed, ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]
 
     counted, src = block_slots(anchors, anchor_valid, loss_mask, B)
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
@@ -723,7 +895,7 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
-    chunk_sums = functools.partial(weighted_sums, drafter.candidate_selector, embed, lm_head, cfg)
+    chunk_sums = functools.partial(weighted_sums, c, drafter.candidate_selector, embed, lm_head, cfg)
     n, parts = cfg.chunk_size or max(1, len(idx)), []
     for i in range(0, max(1, len(idx)), n):
         chunk = [x[i:i + n] for x in slots]
@@ -774,7 +946,7 @@ def _metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
     argmax right, label among the top-K, teacher-forced selector pick right, the walk (its own
     choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
     the chance rejection sampling keeps the unary / selector draft (§4), and the target's mass on the top-K."""
-    unary, ref = head_logits(lm_head, h), head_logits(lm_head, ref_h)
+    unary, ref = target_logits(drafter.config, lm_head, h), target_logits(drafter.config, lm_head, ref_h)
     label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
     hits = {"unary": unary.argmax(-1) == label, "accept_unary": torch.minimum(p, sampling_probs(unary, *accept_at)).sum(-1)}
     sel = drafter.candidate_selector
@@ -931,9 +1103,9 @@ def draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache):
     a = draft_cache.length + new_ctx.shape[1]  # the context is 0..a−1, the anchor sits at a
     block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
     block[:, 0] = anchor
-    h = drafter(embed(block).to(dtype), torch.arange(a, a + c.block_size, device=dev)[None], new_ctx.to(dtype),
-                torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
-    return h, lm_head(h.to(lm_head.weight.dtype)).float()
+    h = drafter(embed_tokens(c, embed, block).to(dtype), torch.arange(a, a + c.block_size, device=dev)[None],
+                new_ctx.to(dtype), torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
+    return h, target_logits(c, lm_head, h).float()
 
 
 def verify_forward(target, cache, anchor, draft, layer_ids):
@@ -955,8 +1127,7 @@ def rollback(cache, features, n, n_acc):
     """Keep what verification accepted: the target cache drops the n − n_acc rejected drafts, and
     the drafter's next new context is the features of the anchor and the accepted drafts. The
     bonus is in neither: it is the next cycle's anchor. -> new_ctx (1, n_acc + 1, nf·H)."""
-    if n - n_acc:  # never crop(-0): that is crop(0), which empties the cache
-        cache.crop(-(n - n_acc))  # transformers 5: a negative count of tokens to remove
+    cache.crop(-(n - n_acc))  # a negative count of tokens to remove; crop(0) also trims sliding-window layers
     return features[:, :n_acc + 1]
 
 
@@ -1022,6 +1193,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
 
     cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
+    cache.activate_past_recording()  # sliding-window layers keep what a rollback may need, until the next crop
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     new_ctx = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
     start, stats.target_forwards = device_time(dev), 1

@@ -333,14 +333,16 @@ def test_config_accepts_disabled_parts_with_unused_bad_values():
     assert not c.is_dflash2, "conv and selector off should be plain DFlash (is_dflash2 False)"
 
 
-def test_from_target_refuses_no_mask_token_unknown_fields_and_scaled_rope():
+def test_from_target_refuses_no_mask_token_unknown_fields_and_unknown_rope():
     with pytest.raises(ValueError, match=r"needs mask_token_id"):
         DFlash2Config.from_target(target_config())
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
         DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID, blocksize=8)
-    scaled = target_config(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(ValueError, match=r"rope_type 'linear' is not supported"):
-        DFlash2Config.from_target(scaled, mask_token_id=MASK_ID)
+    with pytest.raises(ValueError, match=r"rope_type 'proportional' is not supported"):
+        make_config(rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['low_freq_factor'\]"):
+        make_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                  "original_max_position_embeddings": 64})
 
 
 def test_from_target_copies_the_target_shape():

@@ -206,6 +206,7 @@ def verify_seconds(target, prompt, repeats=20):
     VERIFY_WIDTHS (w = 1 is a plain decoding step; w = B is a verification), interleaved rounds."""
     from transformers import DynamicCache
     cache = DynamicCache(config=target.config)
+    cache.activate_past_recording()  # a sliding-window layer can then be cropped once its window is full
     target(prompt, cache=cache, use_cache=True)
 
     def forward(w):

@@ -212,6 +212,23 @@ def test_a_drafter_with_one_part_off_exports_a_complete_servable_dflash2(tmp_pat
     assert torch.equal(path1, path0), f"{part_off}=0: greedy drafts {path1.tolist()} != {path0.tolist()} before export"
 
 
+def test_a_convolution_filled_in_for_export_takes_a_group_size_that_divides_h(tmp_path, target):
+    """A drafter without the convolution may hold any conv_group_size (unused); the identity
+    convolution its export gains takes it where it divides H, else G = H (one coefficient per tap),
+    and the reloaded drafter drafts the same."""
+    H = target.config.hidden_size
+    for group, want in ((12, H), (H // 4, H // 4)):
+        drafter = checkpoint_drafter(target, conv_kernel_size=0, conv_group_size=group)
+        checkpoint.save_export(drafter, tmp_path / str(group), dtype=torch.float32)
+        loaded = checkpoint.load_export(tmp_path / str(group))
+        assert (loaded.config.conv_kernel_size, loaded.config.conv_group_size) == (2, want), \
+            f"conv_group_size {group} (H = {H}) exported as Kc = {loaded.config.conv_kernel_size}, " \
+            f"G = {loaded.config.conv_group_size}; expected Kc = 2, G = {want}"
+        inputs = draft_inputs(drafter, target)
+        assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(drafter, target, inputs, 0.0),
+                           f"conv_group_size {group}")
+
+
 def test_factored_codebooks_export_as_the_tables_they_stand_for(tmp_path, target):
     """A drafter whose selector has factored codebooks (§3) exports as any DFlash2 drafter: the
     §7 tensors and the config.json of the same drafter with free codebooks, the tables being
@@ -448,9 +465,25 @@ SPECULATORS_REFUSED = {  # edit of SPECULATORS_CONFIG -> what the one-line messa
     "other target width": (dict(target_hidden_size=64), "target_hidden_size = 64 is not supported"),
     "embedding layer": (dict(aux_hidden_state_layer_ids=[0, 2]), r"aux_hidden_state_layer_ids = \[0, 2\] is not"),
     "no mask token": (dict(mask_token_id=None), "lacks the key 'mask_token_id'"),
-    "sliding layers": (dict(transformer_layer_config={**LAYER, "layer_types": ["sliding_attention"] * 2}),
-                       "transformer_layer_config: layer_types = .* is not supported"),
+    "causal sliding layers": (dict(transformer_layer_config={**LAYER, "layer_types": ["sliding_attention"] * 2,
+                                                             "use_sliding_window": True, "sliding_window": 4},
+                                   sliding_window_non_causal=False), "sliding_window_non_causal = False makes"),
 }
+
+
+def test_a_partial_speculators_layer_config_takes_the_transformers_class_defaults():
+    """speculators reads transformer_layer_config through transformers' config class for its
+    model_type: the fields it leaves out are that class's defaults, the ones it holds are kept."""
+    left_out = ("intermediate_size", "rms_norm_eps", "max_position_embeddings", "rope_theta", "rope_parameters")
+    layer = {k: v for k, v in LAYER.items() if k not in left_out}
+    fields = checkpoint.speculators_fields({**SPECULATORS_CONFIG, "transformer_layer_config": layer}, "config.json")
+    default = transformers.Qwen3Config()
+    want = dict(intermediate_size=default.intermediate_size, rms_norm_eps=default.rms_norm_eps,
+                max_position_embeddings=default.max_position_embeddings,
+                rope_theta=default.rope_parameters["rope_theta"], hidden_size=32, num_layers=2, num_heads=4,
+                num_kv_heads=2, head_dim=8, vocab_size=32)
+    got = {k: fields.get(k) for k in want}
+    assert got == want, f"read {got}, expected the given fields and Qwen3Config's defaults {want}"
 
 
 @pytest.mark.parametrize("case", SPECULATORS_REFUSED)
@@ -481,18 +514,23 @@ def test_a_speculators_export_without_a_verifier_is_refused_before_writing(tmp_p
 # what the loader refuses
 
 
-UNSUPPORTED = {"output_multiplier": 2.0, "final_logit_softcapping": 30.0, "input_embedding_scale": 4.0,
-               "layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True, "is_causal": True,
-               "rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "hidden_act": "gelu",
-               "attention_bias": True}
+UNSUPPORTED = {  # config.json edit -> what the refusal names
+    "causal": ({"is_causal": True}, r"is_causal = True makes draft layers \[0, 1\] causal"),
+    "causal by z-lab's default": ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
+                                   "sliding_window": 4}, r"is_causal = None makes draft layers \[0\] causal"),
+    "unknown rope": ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6, "factor": 4.0}},
+                     "rope_type 'proportional' is not supported"),
+    "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported"),
+    "bias": ({"attention_bias": True}, "attention_bias = True is not supported")}
 
 
-@pytest.mark.parametrize("field", UNSUPPORTED)
-def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_checkpoint, field):
+@pytest.mark.parametrize("case", UNSUPPORTED)
+def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_checkpoint, case):
     path = tmp_path / "ckpt"
     shutil.copytree(saved_checkpoint, path)
-    edit_config(path, lambda c: c.update({field: UNSUPPORTED[field]}))
-    with pytest.raises(ValueError, match=f"{field} = .* is not supported"):
+    edit, match = UNSUPPORTED[case]
+    edit_config(path, lambda c: c.update(edit))
+    with pytest.raises(ValueError, match=match):
         checkpoint.load_export(path)
 
 

@@ -1,0 +1,377 @@
+"""The target families of the field: each family's RoPE against transformers' own rotary embedding,
+each family's embedding and logit transforms against its own forward, and on a tiny random target
+of each family's config class (nothing downloaded) lossless greedy decoding and a few training
+steps. Then sliding-window draft layers: the training mask against a brute-force one, the packed
+training forward against the cached decoding forward past the window, and the published drafter
+configs' fields loaded and decoded."""
+import dataclasses
+import json
+
+import pytest
+import torch
+import transformers
+
+import checkpoint
+import dflash2
+import regenerate
+from conftest import argmax_loop
+from dflash2 import DFlash2Config, DFlash2Drafter, DraftCache
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, H, LAYERS, PROMPT, NEW, WINDOW = 96, 32, 4, 12, 20, 6  # prompt + new tokens run well past every window
+SHAPE = dict(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=LAYERS, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=8, max_position_embeddings=128, tie_word_embeddings=False,
+             pad_token_id=0, eos_token_id=1, bos_token_id=2)
+LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+              original_max_position_embeddings=8)
+YARN = dict(rope_type="yarn", rope_theta=1.5e5, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
+            beta_slow=1.0, truncate=False)
+LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0 + i / 8 for i in range(4)],
+                long_factor=[1.5 + i / 2 for i in range(4)])
+FAMILIES = {  # the family's own config class and the fields that make it what it is
+    "Llama-3.x": (transformers.LlamaConfig, dict(rope_parameters=LLAMA3)),
+    "SmolLM2": (transformers.LlamaConfig, dict(tie_word_embeddings=True)),
+    "SmolLM3": (transformers.SmolLM3Config, dict(no_rope_layer_interval=2)),
+    "Qwen2.5": (transformers.Qwen2Config, {}),
+    "Qwen3": (transformers.Qwen3Config, {}),
+    "Qwen3-MoE": (transformers.Qwen3MoeConfig, dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),
+    "Mistral": (transformers.MistralConfig, dict(sliding_window=WINDOW)),
+    "Gemma-2": (transformers.Gemma2Config, dict(sliding_window=WINDOW, final_logit_softcapping=30.0,
+                                                 query_pre_attn_scalar=8, tie_word_embeddings=True)),
+    "Gemma-3": (transformers.Gemma3TextConfig, dict(sliding_window=WINDOW, query_pre_attn_scalar=8,
+                                                     layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                                     tie_word_embeddings=True)),
+    "Phi-3": (transformers.Phi3Config, dict(rope_parameters=LONGROPE, original_max_position_embeddings=8)),
+    "gpt-oss": (transformers.GptOssConfig, dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=WINDOW,
+                                                rope_parameters=YARN)),
+    "Granite": (transformers.GraniteConfig, dict(embedding_multiplier=12.0, logits_scaling=8.0,
+                                                 residual_multiplier=0.22, attention_multiplier=0.125)),
+    "OLMo-2": (transformers.Olmo2Config, {}),
+}
+
+
+MOE = ("Qwen3-MoE", "gpt-oss")  # their expert products run in float32 at most
+
+
+def family_target(family, seed=0, **config):
+    """A random frozen float64 target of the family (float32 for MoE), its lm_head sharpened so that
+    its logits span tens of units (soft-capping at 30 then matters, and greedy continuations are not
+    all ties)."""
+    cls, fields = FAMILIES[family]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**SHAPE, **fields, **config}))
+    model = model.to(torch.float32 if family in MOE else torch.float64).eval().requires_grad_(False)
+    model.get_output_embeddings().weight.mul_(40.0 / (model.config.get_text_config().hidden_size ** 0.5
+                                                     if family.startswith("Gemma") else 1.0))
+    return model
+
+
+def family_drafter(target, seed=1, **overrides):
+    torch.manual_seed(seed)
+    shape = dict(mask_token_id=V - 1, num_layers=2, conv_group_size=8, selector_rank=4, block_size=4)
+    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
+    with torch.no_grad():  # off the identity init, so that every part changes what is drafted
+        for name, p in drafter.named_parameters():
+            p.add_(0.3 * torch.randn_like(p)) if ("_conv." in name or name.startswith("candidate_selector.")) else None
+    return drafter.to(target.dtype).eval()
+
+
+# -----------------------------------------------------------------------------
+# every RoPE a target brings
+
+
+ROPES = {"default": (transformers.LlamaConfig, dict(rope_type="default", rope_theta=1e4), {}),
+         "linear": (transformers.LlamaConfig, dict(rope_type="linear", rope_theta=1e4, factor=2.0), {}),
+         "dynamic": (transformers.LlamaConfig, dict(rope_type="dynamic", rope_theta=1e4, factor=2.0), {}),
+         "llama3": (transformers.LlamaConfig, LLAMA3, {}),
+         "yarn": (transformers.LlamaConfig, dict(YARN, truncate=True), {}),
+         "yarn, mscale": (transformers.LlamaConfig, dict(YARN, mscale=0.707, mscale_all_dim=1.0), {}),
+         "yarn, attention_factor": (transformers.Qwen3Config, dict(YARN, attention_factor=1.3), {}),
+         "longrope": (transformers.Phi3Config, LONGROPE, dict(original_max_position_embeddings=8))}
+
+
+@pytest.mark.parametrize("kind", ROPES)
+def test_rope_tables_equal_transformers_rotary_embedding_inside_and_beyond_the_original_context(kind):
+    cls, rope, extra = ROPES[kind]
+    config = cls(**{**SHAPE, "rope_parameters": dict(rope), **extra})
+    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    theirs = transformers.AutoModelForCausalLM.from_config(config).model.rotary_emb
+    for length in (6, 100):  # inside the original 8 positions, and far beyond (max_position_embeddings 128)
+        positions = torch.arange(length)[None]
+        cos, sin = theirs(torch.zeros(1, length, 8), positions)
+        ours = dflash2.rope_cos_sin(positions, *dflash2.rope_frequencies(c, length), torch.float32)
+        assert torch.equal(ours[0], cos) and torch.equal(ours[1], sin), (
+            f"{kind} at {length} positions: cos / sin differ from transformers' by "
+            f"{float((ours[0] - cos).abs().max()):.3g} / {float((ours[1] - sin).abs().max()):.3g}")
+
+
+def test_dynamic_rope_past_its_context_is_refused_and_an_unknown_one_by_name():
+    c = DFlash2Config.from_target(transformers.LlamaConfig(**{**SHAPE, "rope_parameters": dict(ROPES["dynamic"][1])}),
+                                  mask_token_id=V - 1)
+    with pytest.raises(ValueError, match="dynamic RoPE at position 128, past max_position_embeddings"):
+        dflash2.rope_frequencies(c, 129)
+    with pytest.raises(ValueError, match="rope_type 'longrope' with partial_rotary_factor 0.5"):
+        DFlash2Config.from_target(transformers.Phi3Config(**{**SHAPE, "partial_rotary_factor": 0.5,
+                                                             "original_max_position_embeddings": 8, "rope_parameters": {
+            **LONGROPE, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}}), mask_token_id=V - 1)
+
+
+# -----------------------------------------------------------------------------
+# the target's embedding and logit transforms
+
+
+VIEWS = {"Gemma-2": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=30.0),
+         "Gemma-3": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=None),
+         "Granite": dict(input_embedding_scale=12.0, output_multiplier=1 / 8.0, final_logit_softcapping=None),
+         "Qwen3": dict(input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None)}
+
+
+@pytest.mark.parametrize("family", VIEWS)
+def test_the_drafter_reads_the_target_as_its_own_forward_does(family):
+    target = family_target(family)
+    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    got = {k: getattr(c, k) for k in VIEWS[family]}
+    assert got == VIEWS[family], f"{family}: the transforms read from its config are {got}"
+    ids = torch.randint(0, V - 1, (1, 10), generator=torch.Generator().manual_seed(0))
+    dflash2.check_target_view(c, target, ids)  # the family's own forward agrees
+    for field, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
+        if got[field] != plain:  # the same target with one transform forgotten is refused, by family
+            with pytest.raises(ValueError, match=f"the '{target.config.model_type}' target's"):
+                dflash2.check_target_view(dataclasses.replace(c, **{field: plain}), target, ids)
+
+
+def test_a_transform_nobody_declares_is_refused_at_the_startup_check():
+    target = family_target("Qwen3")
+    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    ids = torch.randint(0, V - 1, (1, 10), generator=torch.Generator().manual_seed(0))
+    forward = target.forward
+
+    def scaled_logits(*args, **kwargs):  # a family that multiplies its logits by 1.5 and tells nobody
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 1.5
+        return out
+    target.forward = scaled_logits
+    with pytest.raises(ValueError, match=r"the 'qwen3' target's logits differ .*relative difference 0.33"):
+        dflash2.check_target_view(c, target, ids)
+
+
+def test_the_block_embeddings_are_the_raw_rows_times_the_scale():
+    """Engines multiply the raw table by input_embedding_scale; Gemma's embedding module rounds √H to
+    the table's dtype first. The drafter computes what the engines compute."""
+    target = family_target("Gemma-3").to(torch.bfloat16)
+    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    ids = torch.arange(V)[None]
+    ours = dflash2.embed_tokens(c, target.get_input_embeddings(), ids)
+    engines = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight) * float(H ** 0.5)
+    assert torch.equal(ours, engines), "the drafter's block embeddings are not the raw rows times input_embedding_scale"
+    assert not torch.equal(ours, target.get_input_embeddings()(ids)), "bf16 √H rounding: this test could not fail"
+
+
+@pytest.mark.parametrize("family", ["Gemma-2", "Granite", "Llama-3.x", "gpt-oss"])
+def test_an_export_declares_the_targets_rope_and_transforms_and_loads_back(tmp_path, family):
+    target = family_target(family)
+    drafter = family_drafter(target)
+    checkpoint.save_export(drafter, tmp_path / "ckpt", dtype=torch.float32)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    c = drafter.config
+    declared = {k: config["dflash_config"].get(k, plain) for k, plain in checkpoint.VIEW_FIELDS.items()}
+    assert declared == {k: getattr(c, k) for k in checkpoint.VIEW_FIELDS}, f"{family}: the export declares {declared}"
+    rope = target.config.rope_parameters
+    assert config["rope_parameters"] == {k: v for k, v in rope.items() if k != "partial_rotary_factor"}, (
+        f"{family}: the export's rope_parameters {config['rope_parameters']} are not the target's {rope}")
+    loaded = checkpoint.load_export(tmp_path / "ckpt", dtype=torch.float64)
+    assert loaded.config == c, f"{family}: the loaded config differs from the exported one"
+
+
+def test_the_speculators_format_refuses_transforms_it_cannot_declare(tmp_path):
+    drafter = family_drafter(family_target("Gemma-2"))
+    with pytest.raises(ValueError, match="the speculators format has no field for input_embedding_scale, "
+                                         "final_logit_softcapping"):
+        checkpoint.save_export(drafter, tmp_path / "ckpt", export_format="speculators",
+                               verifier={"name_or_path": "t", "architectures": []})
+    assert not (tmp_path / "ckpt").exists(), "a refused export left a folder"
+
+
+# -----------------------------------------------------------------------------
+# the family table: lossless greedy decoding (sliding-window caches included) and a few training steps
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_family_decodes_losslessly_and_trains(family):
+    target = family_target(family)
+    drafter = family_drafter(target)
+    prompt = torch.randint(0, V - 1, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    plain, _ = dflash2.target_generate(target, prompt, NEW)
+    spec, stats = dflash2.spec_generate(drafter, target, prompt, NEW)
+    assert torch.equal(spec, plain), f"{family}: greedy spec_generate {spec.tolist()} != target {plain.tolist()}"
+    assert len(stats.acceptance_lengths) > 1, f"{family}: one cycle: rollback was never exercised"
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, V - 1, (2, 24), generator=g)
+    attention, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
+    dflash2.check_target_view(drafter.config, target, ids[:1])
+    states = target.base_model(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states
+    drafter.train()
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(4):  # one batch, four steps: the loss must fall
+        anchors, valid = dflash2.sample_anchors(loss_mask, 4, generator=torch.Generator().manual_seed(3))
+        loss, _ = dflash2.dflash2_loss(drafter, target, ids, attention, loss_mask, states, anchors, valid,
+                                       with_metrics=False)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"{family}: losses {losses}"
+
+
+@pytest.mark.parametrize("family", ["Gemma-3", "Mistral"])
+def test_batched_regeneration_on_a_sliding_window_target_equals_the_plain_greedy_loop(family):
+    target = family_target(family)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, V - 1, (n,), generator=g).tolist() for n in (PROMPT, 5)]  # left-padded together
+    answers = regenerate.generate(target, prompts, {1}, NEW, pad_id=0)
+    for prompt, answer in zip(prompts, answers):
+        plain, _ = argmax_loop(target, prompt, NEW, {1})
+        assert list(answer) == plain, f"{family}: regenerated {list(answer)} != the greedy loop's {plain}"
+
+
+# -----------------------------------------------------------------------------
+# sliding-window draft layers
+
+
+def brute_force_mask(anchors, attention_mask, block_size, window):
+    """The sliding layer's training mask, one (query, key) pair at a time: a query of block j at
+    slot i (position a_j + i) sees context key s iff s < a_j, s is real and a_j + i − s < W, and
+    slot i' of its own block iff |i − i'| < W."""
+    b, N = anchors.shape
+    S = attention_mask.shape[1]
+    mask = torch.zeros(b, 1, N * block_size, S + N * block_size, dtype=torch.bool)
+    for r in range(b):
+        for j in range(N):
+            a = int(anchors[r, j])
+            for i in range(block_size):
+                for s in range(S):
+                    mask[r, 0, j * block_size + i, s] = s < a and bool(attention_mask[r, s]) and a + i - s < window
+                for i2 in range(block_size):
+                    mask[r, 0, j * block_size + i, S + j * block_size + i2] = abs(i - i2) < window
+    return mask
+
+
+@pytest.mark.parametrize("window", [1, 3, 6])
+def test_the_sliding_training_mask_equals_brute_force(window):
+    B, anchors = 4, torch.tensor([[0, 5, 9], [2, 11, 3]])
+    attention = torch.ones(2, 14, dtype=torch.long)
+    attention[1, 12:] = 0
+    attention[0, 4] = 0  # a hole
+    pos = dflash2.block_layout(torch.zeros(2, 14, dtype=torch.long), anchors, B, 0)[1]
+    keys = torch.cat([torch.arange(14).expand(2, -1), pos], 1)
+    ours = dflash2.window_mask(pos, keys, window, dflash2.block_attention_mask(anchors, attention, B))
+    assert torch.equal(ours, brute_force_mask(anchors, attention, B, window)), f"W = {window}: masks differ"
+
+
+def sliding_drafter(target, window=5):
+    return family_drafter(target, num_layers=3, block_size=4, sliding_window=window,
+                          layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+
+
+def test_sliding_training_forward_equals_the_cached_decoding_forward_past_the_window():
+    """Each block of the packed, masked training layout equals the same block drafted from its
+    context 0..a−1 fed to the draft cache in pieces, as decoding feeds it, with a context far longer
+    than W: the sliding layers' cache trimming and decode-time window agree with the training mask."""
+    target = family_target("Qwen3")
+    drafter = sliding_drafter(target)
+    c, B, S = drafter.config, 4, 30
+    ids = torch.randint(0, V - 1, (1, S), generator=torch.Generator().manual_seed(4))
+    states = target.base_model(input_ids=ids, output_hidden_states=True).hidden_states
+    ctx = dflash2.context_features(states, c.target_layer_ids)
+    anchors = torch.tensor([[3, 13, 22, 26]])
+    block, pos = dflash2.block_layout(ids, anchors, B, c.mask_token_id)
+    embed = target.get_input_embeddings()
+    with torch.no_grad():
+        packed = drafter(dflash2.embed_tokens(c, embed, block), pos, ctx, torch.arange(S)[None],
+                         dflash2.block_attention_mask(anchors, torch.ones_like(ids), B))
+        for j, a in enumerate(anchors[0].tolist()):
+            cache, fed = DraftCache(c.num_layers), 0
+            while fed < a:  # the context in pieces of 3 (the last one carries the block)
+                new = min(3, a - fed)
+                if fed + new < a:
+                    drafter(dflash2.embed_tokens(c, embed, block[:, :B]), torch.arange(fed + new, fed + new + B)[None],
+                            ctx[:, fed:fed + new], torch.arange(fed, fed + new)[None], cache=cache)
+                else:
+                    alone = drafter(dflash2.embed_tokens(c, embed, block[:, j * B:(j + 1) * B]),
+                                    torch.arange(a, a + B)[None], ctx[:, fed:a], torch.arange(fed, a)[None],
+                                    cache=cache)
+                fed += new
+            held = [cache.kv[i][0].shape[2] for i in range(c.num_layers)]
+            assert held == [min(a, c.sliding_window - 1), a, min(a, c.sliding_window - 1)], (
+                f"anchor {a}: the draft cache holds {held} context positions per layer")
+            diff = float((packed[0, j * B:(j + 1) * B] - alone[0]).abs().max())
+            assert diff < 1e-10, f"anchor {a}: the packed training block differs from the decoding one by {diff:.3g}"
+    full = family_drafter(target, num_layers=3, block_size=4)
+    full.load_state_dict(drafter.state_dict())
+    with torch.no_grad():
+        unwindowed = full(dflash2.embed_tokens(c, embed, block), pos, ctx, torch.arange(S)[None],
+                          dflash2.block_attention_mask(anchors, torch.ones_like(ids), B))
+    assert float((unwindowed - packed)[0, B:].abs().max()) > 1e-3, "the window changed nothing: W is not applied"
+
+
+def test_a_sliding_drafter_decodes_losslessly_on_a_sliding_target():
+    target = family_target("Gemma-3")
+    drafter = sliding_drafter(target, window=3)
+    prompt = torch.randint(0, V - 1, (1, PROMPT), generator=torch.Generator().manual_seed(5))
+    plain, _ = dflash2.target_generate(target, prompt, NEW)
+    spec, _ = dflash2.spec_generate(drafter, target, prompt, NEW)
+    assert torch.equal(spec, plain), f"greedy spec_generate {spec.tolist()} != target {plain.tolist()}"
+
+
+# -----------------------------------------------------------------------------
+# the published drafters' configs
+
+
+PUBLISHED = dict(  # the fields of a published DFlash2 drafter's config.json (a 52-layer target's), z-lab's fixture
+    layer_types=["sliding_attention"] * 5, sliding_window=2048, use_sliding_window=True, max_window_layers=5,
+    is_causal=False, num_hidden_layers=5, rope_parameters={"rope_theta": 500000.0, "rope_type": "default"})
+PUBLISHED_VIEW = dict(final_logit_softcapping=20.0, output_multiplier=0.19611613513818404)
+
+
+def test_a_published_zlab_dflash2_config_loads_decodes_and_exports_the_same_fields(tmp_path):
+    """The published config's fields at a tiny width: five sliding layers (W = 2048 here, and W = 3 so
+    that the window bites), is_causal false, soft-capping and an output multiplier in dflash_config."""
+    target = family_target("Qwen3")
+    drafter = family_drafter(target, num_layers=5)
+    path = tmp_path / "published"
+    checkpoint.save_export(drafter, path, dtype=torch.float32)
+    prompt = torch.randint(0, V - 1, (1, PROMPT), generator=torch.Generator().manual_seed(6))
+    plain, _ = dflash2.target_generate(target, prompt, NEW)
+    for window in (2048, 3):
+        config = {**checkpoint.checkpoint_config(drafter.config), **PUBLISHED, "sliding_window": window}
+        config["dflash_config"].update(PUBLISHED_VIEW)
+        (path / "config.json").write_text(json.dumps(config))
+        loaded = checkpoint.load_export(path, dtype=torch.float64)
+        c = loaded.config
+        assert (c.layer_types, c.sliding_window, c.final_logit_softcapping, c.output_multiplier) == (
+            PUBLISHED["layer_types"], window, *PUBLISHED_VIEW.values()), f"read as {c}"
+        spec, _ = dflash2.spec_generate(loaded, target, prompt, NEW)
+        assert torch.equal(spec, plain), f"W = {window}: the published config's drafter does not decode losslessly"
+        checkpoint.save_export(loaded, tmp_path / "again", dtype=torch.float32)
+        again = json.loads((tmp_path / "again" / "config.json").read_text())
+        for key in ("layer_types", "sliding_window", "use_sliding_window", "is_causal", "rope_parameters"):
+            assert again[key] == config[key], f"re-exported {key} = {again[key]!r}, not {config[key]!r}"
+        assert {k: again["dflash_config"][k] for k in PUBLISHED_VIEW} == PUBLISHED_VIEW, (
+            f"re-exported {again['dflash_config']}")
+
+
+def test_a_speculators_config_with_sliding_layers_round_trips(tmp_path):
+    target = family_target("Qwen3")
+    drafter = sliding_drafter(target)
+    verifier = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}
+    checkpoint.save_export(drafter, tmp_path / "spec", dtype=torch.float32, export_format="speculators",
+                           verifier=verifier)
+    config = json.loads((tmp_path / "spec" / "config.json").read_text())
+    layer = config["transformer_layer_config"]
+    assert (layer["layer_types"], layer["sliding_window"], config["sliding_window_non_causal"]) == (
+        drafter.config.layer_types, 5, True), f"speculators config: {layer}"
+    loaded = checkpoint.load_export(tmp_path / "spec", dtype=torch.float64, num_target_layers=LAYERS)
+    assert loaded.config == drafter.config, "the speculators export did not load back to the same config"
