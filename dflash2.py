@@ -23,9 +23,9 @@ Notable departures from a textbook decoder:
   - the local convolution's taps never cross a block start;
   - proposals come from a walk over the top-K candidates of each slot, scored with the
     predecessor the walk actually chose, and verification uses that walk's q.
-Not implemented (checkpoint.py refuses exports that ask for them, §7): logit soft-capping,
-output multipliers, embedding scales, sliding-window layers, RoPE scaling other than the
-default, pruned draft vocabularies (DFlash2 needs the full vocabulary).
+The target's RoPE type, its embedding and logit transforms (Gemma, Granite) and sliding-window
+draft layers follow §1. Not implemented (refused by name): dynamic RoPE past the target's
+context, causal draft layers, pruned draft vocabularies (DFlash2 needs the full vocabulary).
 
 Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context
 length, N blocks per row (1 at inference), B block size, H hidden, V vocab, K candidates,
