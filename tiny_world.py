@@ -13,7 +13,6 @@ code path a real Hugging Face target folder takes:
 4. on-policy data: every prompt answered again by the target itself, because the drafter's
    job is to predict what the target says, not what the corpus says (§6).
 """
-import copy
 import json
 import os
 import shutil
@@ -25,7 +24,6 @@ import torch
 import transformers
 
 from regenerate import regenerate_conversations
-from target import native_bf16_cpu
 
 # ChatML; {% generation %} marks assistant tokens, so return_assistant_tokens_mask works
 CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
@@ -94,11 +92,9 @@ def token_stream(tokenizer, conversations):
                          for t in tokenizer.apply_chat_template(c, tokenize=True, return_dict=True)["input_ids"]])
 
 
-def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch_size=8, lr=3e-3, seed=0,
-                         bf16=False):
-    """Next-token pretraining of a 3.5M-parameter Qwen3 on random windows of the token stream
-    (packed: no padding, so every position of every step is a training token); bf16: under
-    bf16 autocast (float32 weights and optimizer)."""
+def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch_size=8, lr=3e-3, seed=0):
+    """Next-token pretraining of a 3.5M-parameter Qwen3, in float32, on random windows of the token
+    stream (packed: no padding, so every position of every step is a training token)."""
     torch.manual_seed(seed)
     config = transformers.Qwen3Config(vocab_size=len(tokenizer), hidden_size=256, intermediate_size=768,
                                       num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=1, head_dim=64,
@@ -111,8 +107,7 @@ def pretrain_tiny_target(tokenizer, stream, steps, log=print, seq_len=256, batch
     for step in range(steps):
         starts = torch.randint(len(stream) - seq_len, (batch_size,), generator=gen)
         ids = stream[starts[:, None] + torch.arange(seq_len)]
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -159,11 +154,10 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
     and the on-policy conversations (.jsonl: the first `train_prompts` training prompts,
     then the TINY_HELD_OUT held-out ones, each answered greedily by the target). The whole
     world is written under a temporary name and renamed into place, so a racing process
-    either finds it complete or builds its own and drops it. On a CPU that multiplies bf16 in
-    hardware the target pretrains under bf16 autocast and answers in bf16, as train.py trains
-    there (target.training_dtype), in a world of its own name. -> (target path, data path)."""
-    bf16 = native_bf16_cpu()
-    world = Path(cache_dir) / f"stdlib-v2-{pretrain_steps}steps-{train_prompts}prompts{'-bf16' if bf16 else ''}"
+    either finds it complete or builds its own and drops it. The world is built in float32 on every
+    machine, so that every CPU trains on a target of the same quality (a bf16 build loops more);
+    train.py may still train in bf16 on it. -> (target path, data path)."""
+    world = Path(cache_dir) / f"stdlib-v2-{pretrain_steps}steps-{train_prompts}prompts"
     target, data = world / "target", world / "conversations.jsonl"
     if world.exists():
         return str(target), str(data)
@@ -172,10 +166,8 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
     convs = stdlib_conversations(chunk_chars=600)
     train, held = convs[:-TINY_HELD_OUT], convs[-TINY_HELD_OUT:]
     tokenizer = train_bpe_tokenizer([m["content"] for c in train for m in c])
-    model = pretrain_tiny_target(tokenizer, token_stream(tokenizer, train), pretrain_steps, log, bf16=bf16)
-
-    answering = copy.deepcopy(model).to(torch.bfloat16) if bf16 else model  # the saved weights stay float32
-    convs = regenerate_conversations(answering, tokenizer, train[:train_prompts] + held, max_new_tokens=max_new_tokens,
+    model = pretrain_tiny_target(tokenizer, token_stream(tokenizer, train), pretrain_steps, log)
+    convs = regenerate_conversations(model, tokenizer, train[:train_prompts] + held, max_new_tokens=max_new_tokens,
                                      batch_size=128)
     greedy = [tokenizer(c[1]["content"])["input_ids"] for c in convs[-TINY_HELD_OUT:]]
     quality = {"held_out_loss": held_out_loss(model, token_stream(tokenizer, held)),

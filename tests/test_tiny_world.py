@@ -62,7 +62,6 @@ def small_build(monkeypatch):
     monkeypatch.setattr(tiny_world, "stdlib_conversations", lambda **kw: convs)
     monkeypatch.setattr(tiny_world, "TINY_HELD_OUT", 8)
     monkeypatch.setattr(tiny_world, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
-    monkeypatch.setattr(tiny_world, "native_bf16_cpu", lambda: False)  # the float32 world on every CPU
 
 
 def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
@@ -88,19 +87,21 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
     assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-4prompts"], "a temporary folder was left behind"
 
 
-def test_on_a_cpu_with_hardware_bf16_the_world_is_the_bf16_targets(tmp_path, monkeypatch, small_build):
-    """Where train.py trains with a bf16 target, the world's answers are that target's own greedy
-    answers (bf16), its weights are saved in float32, and it has a name of its own."""
-    monkeypatch.setattr(tiny_world, "native_bf16_cpu", lambda: True)
-    target, data = tiny_world.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=3)
-    assert [p.name for p in tmp_path.iterdir()] == ["stdlib-v2-1steps-2prompts-bf16"], list(tmp_path.iterdir())
-    saved = AutoModelForCausalLM.from_pretrained(target)
-    assert saved.dtype == torch.float32, f"the world's target was saved in {saved.dtype}"
-    model, tok = saved.to(torch.bfloat16), AutoTokenizer.from_pretrained(target)
-    for row in [json.loads(line)["messages"] for line in open(data)][:2]:
-        prompt = tok.apply_chat_template(row[:1], add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        greedy = target_generate(model, prompt["input_ids"], 3, stop_token_ids=[tok.eos_token_id])[0].tolist()
-        assert row[1]["content"] == tok.decode([t for t in greedy if t != tok.eos_token_id]), row[1]
+def test_the_world_is_the_same_float32_world_on_every_cpu(tmp_path, monkeypatch, small_build):
+    """A CPU that multiplies bf16 in hardware builds the very world a float32-only CPU builds: the
+    same name, the same conversations, a float32 target."""
+    import target as target_module
+    built = {}
+    for hardware_bf16 in (True, False):
+        monkeypatch.setattr(target_module, "native_bf16_cpu", lambda: hardware_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: hardware_bf16)
+        monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: hardware_bf16)
+        folder = tmp_path / str(hardware_bf16)
+        target, data = tiny_world.tiny_world(folder, 1, lambda *a: None, train_prompts=2, max_new_tokens=3)
+        built[hardware_bf16] = ([p.name for p in folder.iterdir()], open(data).read(),
+                                AutoModelForCausalLM.from_pretrained(target).dtype)
+    assert built[True] == built[False], f"the worlds differ: {built[True][0]} vs {built[False][0]}"
+    assert built[True][0] == ["stdlib-v2-1steps-2prompts"] and built[True][2] == torch.float32, built[True][::2]
 
 
 def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch, small_build):
