@@ -3,7 +3,7 @@ On-policy data: every assistant turn answered again by the target itself, becaus
 drafter's job is to predict what the target says, not what the corpus says (ALGORITHM.md §6).
 
     conversations = regenerate_conversations(target, tokenizer, conversations)   # in memory
-    regenerate_file(target, tokenizer, "prompts.jsonl", "chats.jsonl", temperature=0.0, ...)   # resumable
+    regenerate_file(target, tokenizer, "prompts.jsonl", "chats.jsonl", temperature=1.0, seed=0, ...)   # resumable
 
 Decisions:
 - a row that ends with a user turn (a list of prompts is the common case) gets the target's
@@ -13,7 +13,9 @@ Decisions:
   that would answer other calls;
 - decoding is its own loop rather than `generate`: a torch.Generator seeds the sampling, the
   tokens are drawn by dflash2.sample at the setting given (T, top-p, top-k: the law serving
-  uses), and the stop tokens are the template's end-of-turn token and the eos.
+  uses), and the stop tokens are the template's end-of-turn token and the eos;
+- regenerate_file seeds each batch of rows from (seed, its first row), so a run repeats itself
+  at T > 0 and a resumed run writes what the uninterrupted one would have.
 """
 import json
 import time
@@ -150,14 +152,16 @@ def written_rows(out_path, conversations, log):
 
 
 def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, top_p=1.0, top_k=0, max_new_tokens,
-                    batch_size, template_kwargs, log):
-    """regenerate_conversations over a whole file (see read_conversations) -> out_path, a jsonl of
-    {"messages": [...]} rows (plus the row's "tools") in the input's order. Rows are appended
-    batch by batch, so a killed run started again with the same arguments resumes after the last
-    complete row. Assistant turns with tool calls are kept as they are, counted and printed. The
+                    batch_size, template_kwargs, log, split="train", seed=0):
+    """regenerate_conversations over a whole file or hub dataset split (see read_conversations)
+    -> out_path, a jsonl of {"messages": [...]} rows (plus the row's "tools") in the input's
+    order. Rows are appended batch by batch, so a killed run started again with the same
+    arguments resumes after the last complete row; at T > 0 the batch starting at row b draws
+    from a generator seeded by (seed, b), so the resumed rows are the ones the uninterrupted
+    run writes. Assistant turns with tool calls are kept as they are, counted and printed. The
     input is read here again: to report its errors before the target's weights load, call
-    read_conversations(in_path) first."""
-    rows = located_conversations(in_path, "train", False, log, need_answer=False)
+    read_conversations(in_path, split) first."""
+    rows = located_conversations(in_path, split, False, log, need_answer=False)
     conversations, tools = with_answer_turns([c for _, c, _ in rows]), [t for _, _, t in rows]
     start = written_rows(out_path, conversations, log)
     if start:
@@ -169,11 +173,12 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, top_p=
     t0 = time.time()
     with open(out_path, "a", encoding="utf-8") as f:
         for b in range(start, len(conversations), batch_size):
+            generator = torch.Generator(target.device).manual_seed(seed * 1_000_003 + b)  # sampling is on the device
             chunk = regenerate_conversations(target, tokenizer, conversations[b:b + batch_size],
                                              temperature=temperature, top_p=top_p, top_k=top_k,
                                              max_new_tokens=max_new_tokens,
                                              batch_size=batch_size, template_kwargs=template_kwargs,
-                                             tools=tools[b:b + batch_size])
+                                             tools=tools[b:b + batch_size], generator=generator)
             f.write("".join(json.dumps({"messages": c, **({"tools": t} if t else {})}, ensure_ascii=False) + "\n"
                             for c, t in zip(chunk, tools[b:b + batch_size])))
             f.flush()

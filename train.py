@@ -450,6 +450,9 @@ def train(args):
     resume_file = os.path.join(args.out_dir, "resume.pt")
     if args.resume and not os.path.isfile(resume_file):
         raise ValueError(f"--resume: {resume_file} not found")
+    if args.plan and not args.target:  # the offline world would be built (a target trained) to print its plan
+        raise ValueError("--plan reads the memory plan off the target's config: name one with --target (a model "
+                         "folder, hub id or .gguf file); the offline demo's tiny target needs no plan")
     if args.target and (args.plan or device.type == "cuda"):  # the memory plan: the target's config is enough
         estimate = plan(args, device, log)
         if args.plan:
@@ -582,7 +585,8 @@ def regenerate(args, log=print):
     regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
                     temperature=args.regen_temperature, top_p=args.regen_top_p, top_k=args.regen_top_k,
                     max_new_tokens=args.regen_max_new_tokens,
-                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log)
+                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log,
+                    split=args.data_split, seed=args.seed)
     log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
 
 

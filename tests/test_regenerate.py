@@ -127,6 +127,40 @@ def test_regenerate_file_resumes_after_a_kill(target, tmp_path, monkeypatch):
     assert any("torn last line" in l for l in logs) and any("eta" in l for l in logs), logs
 
 
+def test_a_sampled_regenerate_file_repeats_itself_and_resumes_to_the_same_rows(target, tmp_path, monkeypatch):
+    """At T = 1 the file's answers are fixed by `seed`: a second run writes the same rows, and a run
+    killed after its first batch resumes to exactly the uninterrupted run's file."""
+    model, tokenizer = target
+    chats = [c for c in CHATS if any(m["role"] == "assistant" for m in c)] * 2  # 8 conversations
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    opts = dict(temperature=1.0, max_new_tokens=6, batch_size=3, template_kwargs=None, log=lambda *a: None)
+
+    def run(name, seed):
+        regenerate.regenerate_file(model, tokenizer, str(src), str(tmp_path / name), seed=seed, **opts)
+        return (tmp_path / name).read_text()
+
+    torch.manual_seed(0)
+    straight = run("straight.jsonl", 7)
+    torch.manual_seed(1)  # the global generator is not the one that draws
+    assert run("again.jsonl", 7) == straight, "seed 7 twice, different rows"
+    assert run("other.jsonl", 8) != straight, "seeds 7 and 8 wrote the same rows"
+    real, calls = regenerate.regenerate_conversations, []
+
+    def die_on_second_batch(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(regenerate, "regenerate_conversations", die_on_second_batch)
+    with pytest.raises(KeyboardInterrupt):
+        run("killed.jsonl", 7)
+    monkeypatch.setattr(regenerate, "regenerate_conversations", real)
+    assert (tmp_path / "killed.jsonl").read_text().count("\n") == 3, "the killed run should have written one batch"
+    assert run("killed.jsonl", 7) == straight, "the resumed sampled run differs from the uninterrupted one"
+
+
 def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target, tmp_path):
     model, tokenizer = target
     chat = [{"role": "user", "content": "weather?"},

@@ -9,11 +9,13 @@ import shutil
 import subprocess
 import sys
 
+import datasets
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
+import regenerate as regenerate_module
 import tiny_world
 import train
 from conftest import plain_greedy, tiny_qwen3
@@ -392,6 +394,59 @@ def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampl
     assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
                                   for r in rows), f"regenerated {rows} ({sampling}), the target's greedy answer is " \
                                                   f"{want!r}"
+
+
+def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatch):
+    """--data-split reaches the regeneration itself, not only the check before the weights load:
+    a hub dataset's "validation" rows are the ones regenerated."""
+    splits = {name: [{"messages": [{"role": "user", "content": f"{name} prompt {i}"}]} for i in range(2)]
+              for name in ("train", "validation")}
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append(split) or splits[split])
+    out = tmp_path / "out.jsonl"
+    train.regenerate(train.parse_args(["--target", world["target"], "--data", "someone/chats", "--data-split",
+                                       "validation", "--regenerate", str(out), "--regen-max-new-tokens", "2"]),
+                     log=lambda *a: None)
+    prompts = [json.loads(line)["messages"][0]["content"] for line in out.read_text().split("\n")[:-1]]
+    assert prompts == ["validation prompt 0", "validation prompt 1"], f"regenerated {prompts} (splits read: {asked})"
+    assert set(asked) == {"validation"}, f"splits read: {asked}"
+
+
+def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkeypatch):
+    """At T > 0 every draw takes a generator (seeded from --seed): two runs with the same seed
+    write the same file, another seed writes another."""
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 3)
+    sample, generators = regenerate_module.dflash2.sample, []
+
+    def recording(logits, temperature, top_p=1.0, top_k=0, generator=None):
+        generators.append(generator)
+        return sample(logits, temperature, top_p, top_k, generator)
+
+    monkeypatch.setattr(regenerate_module.dflash2, "sample", recording)
+
+    def run(name, seed):
+        torch.manual_seed(len(generators))  # the global generator differs between runs: it must not be the one used
+        train.regenerate(train.parse_args(["--target", world["target"], "--data", data, "--regenerate",
+                                           str(tmp_path / name), "--regen-max-new-tokens", "12", "--regen-temperature",
+                                           "1", "--regen-batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
+        return (tmp_path / name).read_text()
+
+    first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
+    assert generators and all(isinstance(g, torch.Generator) for g in generators), \
+        f"the sampler got {set(map(type, generators))}, not a torch.Generator on every draw"
+    assert first == again, f"--seed 3 twice, different answers:\n{first}\n{again}"
+    assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
+
+
+def test_plan_without_a_target_is_refused_in_one_line_without_building_the_offline_world(tmp_path, monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("--plan built the offline world")
+    monkeypatch.setattr(train, "tiny_world", refuse)
+    with pytest.raises(ValueError, match=r"^--plan reads the memory plan off the target's config: name one with "
+                                         r"--target"):
+        train.train(train.parse_args(["--plan", "--out-dir", str(tmp_path / "out"), "--cache-dir",
+                                      str(tmp_path / "cache")]))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
 
 
 def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_path, no_target_load, capsys):
