@@ -437,6 +437,24 @@ def test_wall_clock_checks_identical_output_and_reports_the_break_even_it_measur
         real.wall_clock(drafter, target, prompts, 12, stop_id=39, log=lambda *a: None)
 
 
+def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkeypatch):
+    """On a clock where a target forward takes one second per token it reads (so a 4-token
+    prefill takes 4), the plain step wall_clock reports is one second: the decoding forwards it
+    timed, over their number, the prefill left out of both."""
+    from conftest import tiny_drafter
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
+    clock = [0.0]
+    target.register_forward_pre_hook(
+        lambda m, args, kwargs: clock.__setitem__(0, clock[0] + (args[0] if args else kwargs["input_ids"]).shape[-1]),
+        with_kwargs=True)
+    monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
+    w = real.wall_clock(drafter, target, [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]])], 12, stop_id=39,
+                        log=lambda *a: None)
+    assert w["plain_step_seconds"] == pytest.approx(1.0), \
+        f"plain step {w['plain_step_seconds']} s on a clock where each decoding forward takes 1 s"
+
+
 # -----------------------------------------------------------------------------
 # smoke runs
 

@@ -7,6 +7,7 @@ import json
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
@@ -386,3 +387,87 @@ def test_dry_run_on_an_upper_case_gguf_name_prints_original_model(tmp_path):
                                              "--export-dtype", "float32"]), target.config, logs.append)
     commands = [line for line in logs if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
     assert len(commands) == 3 and all("ORIGINAL_MODEL" in c and str(path) not in c for c in commands), "\n".join(logs)
+
+
+# -----------------------------------------------------------------------------
+# the dtype of a CPU target
+
+
+@pytest.mark.parametrize("amx, avx512_bf16, want", [(False, True, torch.bfloat16), (True, False, torch.bfloat16),
+                                                    (False, False, torch.float32)])
+def test_auto_dtype_on_a_cpu_is_bf16_where_either_bf16_unit_exists(monkeypatch, amx, avx512_bf16, want):
+    """--dtype auto on a CPU: bf16 with AMX or with AVX512-BF16 alone (EPYC Zen 4 has no AMX),
+    float32 with neither (bf16 would be emulated)."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    got, why = target.training_dtype("auto", torch.device("cpu"))
+    assert got == want, f"AMX {amx}, AVX512-BF16 {avx512_bf16}: auto chose {got} ({why}), expected {want}"
+
+
+# -----------------------------------------------------------------------------
+# TargetFeatures: the target's features of each training row, once
+
+
+def right_padded(seqs):
+    """Token-id lists -> (ids, attention_mask) (b, S), right-padded with 0."""
+    S = max(map(len, seqs))
+    ids = torch.tensor([s + [0] * (S - len(s)) for s in seqs])
+    return ids, torch.tensor([[1] * len(s) + [0] * (S - len(s)) for s in seqs])
+
+
+@pytest.fixture(scope="module")
+def feature_target():
+    return tiny_qwen3(vocab_size=50, num_layers=3), [0, 1]  # float64; features of layers 0 and 1 and the last
+
+
+def assert_served(states, model, layer_ids, seqs, what):
+    """The states TargetFeatures served for the batch of `seqs` are each row's own, computed alone."""
+    for i, s in enumerate(seqs):
+        alone = target.hidden_states(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
+        for l in [l + 1 for l in layer_ids] + [len(alone) - 1]:
+            err = (states[l][i, :len(s)] - alone[l][0]).abs().max().item()
+            assert err < 1e-10, f"{what}: row {i}, hidden state {l} differs from the row's own by {err:.3g}"
+
+
+@pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
+def test_a_batch_mixing_cached_and_new_rows_is_served_and_cached_right(feature_target, tmp_path, on_disk):
+    """Rows a and b are cached by one batch; the next batch holds b (cached) and c (new) at other
+    positions and padding: its features are each row's own, and c is cached by it, so a third
+    batch of c and b needs no target pass."""
+    model, layer_ids = feature_target
+    cache = target.TargetFeatures({"k": 1}, layer_ids, model.config.num_hidden_layers, tmp_path if on_disk else None)
+    a, b, c = [3, 8, 1, 4, 4, 9, 2], [5, 6, 7, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]
+    passes, forward = [], model.base_model.forward
+    model.base_model.forward = lambda *x, **k: passes.append(1) or forward(*x, **k)
+    try:
+        for seqs, rows, want_passes in (([a, b], [0, 1], 1), ([b, c], [1, 2], 1), ([c, b], [2, 1], 0)):
+            passes.clear()
+            states = cache.hidden_states(model, *right_padded(seqs), rows=rows)
+            assert len(passes) == want_passes, f"rows {rows}: {len(passes)} target passes, expected {want_passes} " \
+                                               "(one for a batch with a new row, none for a cached batch)"
+            assert_served(states, model, layer_ids, seqs, f"rows {rows}")
+    finally:
+        del model.base_model.forward
+
+
+def test_a_row_file_killed_mid_write_is_never_read_back(feature_target, tmp_path, monkeypatch):
+    """A kill while a row's file is written leaves no row file behind: a restarted run computes
+    the row again instead of reading a torn file."""
+    model, layer_ids = feature_target
+    seqs, real = [[3, 8, 1, 4], [5, 6, 7]], safetensors.torch.save_file
+
+    def killed_mid_write(tensors, filename, metadata=None):
+        data = safetensors.torch.save(tensors, metadata=metadata)
+        with open(filename, "wb") as f:
+            f.write(data[:len(data) // 2])
+        raise KeyboardInterrupt
+
+    make = lambda: target.TargetFeatures({"k": 1}, layer_ids, model.config.num_hidden_layers, tmp_path)
+    monkeypatch.setattr(safetensors.torch, "save_file", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        make().hidden_states(model, *right_padded(seqs), rows=[0, 1])
+    assert not list(tmp_path.glob("row*.safetensors")), f"a torn row file is left: {sorted(tmp_path.iterdir())}"
+    monkeypatch.setattr(safetensors.torch, "save_file", real)
+    assert_served(make().hidden_states(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "restarted")
+    assert_served(make().hidden_states(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "read back")
+    assert len(list(tmp_path.glob("row*.safetensors"))) == 2

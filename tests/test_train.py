@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
+import dflash2
 import regenerate as regenerate_module
 import tiny_world
 import train
@@ -583,3 +584,107 @@ def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path)
     assert len(files) == 20, f"{len(files)} feature files for 20 training rows"
     assert off.keys() == disk.keys() and all(abs(off[s] - disk[s]) < 1e-5 * off[s] for s in off), \
         f"losses with the cache {disk} != without {off}"
+
+
+def test_the_fused_unary_term_is_float32_under_bf16_autocast():
+    """The step runs under bf16 autocast below a float32 target, where bmm would run in bf16:
+    dflash2.TargetLoss's KL term must still be the float64 formula's to float32 rounding. In
+    bf16 (8 bits of mantissa) its Σ_v p_v·r_v and Σ_v p_v·z_v, here about 5 each, would be off
+    by ~0.02, far outside 1e-4."""
+    torch.manual_seed(0)
+    z, r = 3 * torch.randn(8, 600), 3 * torch.randn(8, 600)
+    p = torch.softmax(r.double(), -1)
+    want = (p * (torch.log_softmax(r.double(), -1) - torch.log_softmax(z.double(), -1))).sum(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = dflash2.TargetLoss.apply(z, r, False)[0]
+    err = (got.double() - want).abs().max().item()
+    assert got.dtype == torch.float32 and err < 1e-4, f"fused KL under bf16 autocast: {got.dtype}, off by {err:.3g}"
+
+
+def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
+    """On a CPU with AMX, --dtype auto loads the target in bf16 for training, but the eval's
+    spec_generate (one token at a time, bound by reading the weights) runs it in float32; the
+    target is bf16 again afterwards."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    target = train.load_target(world["target"], "auto", torch.device("cpu"))
+    assert target.dtype == torch.bfloat16, f"auto on an AMX CPU loaded the target in {target.dtype}"
+    args, _, _, drafter = step_inputs(world)
+    tokenizer = train.load_tokenizer(world["target"])
+    val = train.load_rows(world["data"], "train", tokenizer, args.seq_len).select(range(2))
+    real, seen = train.spec_generate, []
+    monkeypatch.setattr(train, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
+    train.evaluate(drafter.float(), target, tokenizer, val, args, torch.device("cpu"), lambda *a: None)
+    assert seen and set(seen) == {torch.float32}, f"the eval decoded with the target in {set(seen)}"
+    assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
+
+
+GRADIENT_RECORDER = """
+import os, sys
+import torch
+sys.path.insert(0, {root!r})
+import train
+clip, grads = torch.nn.utils.clip_grad_norm_, []
+def recording(params, *a, **k):  # the gradients the update uses, after the ranks' reduction
+    grads.append([p.grad.clone() for p in params])
+    return clip(params, *a, **k)
+torch.nn.utils.clip_grad_norm_ = recording
+train.train(train.parse_args(sys.argv[1:]))
+if int(os.environ.get("RANK", 0)) == 0:
+    torch.save(grads, os.environ["GRADIENTS_OUT"])
+"""
+
+
+def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
+    """2 ranks x batch 1 reach the update with the gradient of 1 rank x batch 2, the same two rows:
+    the mean over ranks of each rank's gradient, itself normalised by the global batch's weights.
+    (AdamW and the gradient clip both hide the gradient's scale from the weights and the loss.)"""
+    script = tmp_path / "record.py"
+    script.write_text(GRADIENT_RECORDER.format(root=HERE))
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
+                                                            "--nproc_per_node=2"], "1")):
+        cmd = [sys.executable, *launch, str(script), *flags(world, tmp_path / name, "--steps", "1", "--batch-size", batch,
+                                                            "--eval-prompts", "1", "--eval-new-tokens", "1")]
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                             env={**env, "GRADIENTS_OUT": str(tmp_path / f"{name}.pt")})
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    (one,), (two,) = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    assert len(one) == len(two) and sum(bool(g.any()) for g in one) > len(one) / 2, "the runs' gradients are not " \
+        "the same parameters', or mostly zero"
+    for i, (g1, g2) in enumerate(zip(one, two)):  # float32, the rows summed in another order: ~1e-6 apart
+        assert (g2 - g1).norm() <= 1e-3 * g1.norm(), f"parameter {i}: the 2-rank gradient is off the 1-rank one by " \
+            f"{((g2 - g1).norm() / g1.norm()).item():.3g} of its norm (norm ratio {(g2.norm() / g1.norm()).item():.3f})"
+
+
+def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world, tmp_path):
+    """On a target whose lm_head is not its input embedding, the exported factored codebooks are
+    E·W_Aᵀ and E·W_Bᵀ with E the input embedding (what the selector reads), not lm_head's rows."""
+    untied = tmp_path / "untied"
+    tokenizer = tiny_world.build_tiny_tokenizer()
+    tiny_qwen3(len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32, seed=3,
+               tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
+               eos_token_id=tokenizer.eos_token_id).save_pretrained(untied)
+    tokenizer.save_pretrained(untied)
+    train.train(args_for({**world, "target": str(untied)}, tmp_path / "out", "--steps", "1", "--selector-codebooks",
+                         "factored", "--export-dtype", "float32"))
+    model = AutoModelForCausalLM.from_pretrained(untied)
+    E, head = (m.weight.detach().double() for m in (model.get_input_embeddings(), model.get_output_embeddings()))
+    assert (E - head).abs().max() > 0.01, "the test target's lm_head is its embedding: it could not tell them apart"
+    state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)["model"]
+    exported = checkpoint.load_export(tmp_path / "out" / "checkpoint").state_dict()
+    for side in ("predecessor", "successor"):
+        table, want = exported[f"candidate_selector.{side}_codebook"].double(), \
+            E @ state[f"candidate_selector.{side}_projection.weight"].double().T
+        assert (table - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(table - want).abs().max():.3g}"
+
+
+def test_a_factored_dry_run_writes_a_loadable_export(world, tmp_path, no_target_load):
+    """--dry-run with factored codebooks: no target weights to build the tables from, so the export
+    holds free tables at their init (a zero successor codebook: the untrained selector's scores)."""
+    out = tmp_path / "dry"
+    train.train(args_for(world, out, "--num-layers", "1", "--selector-codebooks", "factored", "--dry-run"))
+    drafter = checkpoint.load_export(out / "checkpoint")
+    c, target = drafter.config, AutoConfig.from_pretrained(world["target"])
+    assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
+    successor = drafter.state_dict()["candidate_selector.successor_codebook"]
+    assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
