@@ -23,6 +23,7 @@ import torch.distributed as dist
 import transformers
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
+                     check_target_view,
                      loss_from_sums, loss_sums, sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
@@ -110,6 +111,10 @@ def parse_args(argv=None):
     g.add_argument("--selector-codebooks", default="free", choices=["free", "factored"],
                    help="free: [V, R] codebook tables; factored: A = E·W_A, Bc = E·W_B from the target's frozen "
                    "embedding E, 3·H·R parameters (exported as the tables; ALGORITHM.md §3)")
+    g.add_argument("--sliding-window", type=at_least(1), help="W: make the draft layers sliding-window "
+                   "(ALGORITHM.md §1: a key at distance >= W from its query is hidden); unset: full attention")
+    g.add_argument("--full-attention-layers", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="comma-separated draft layers that keep full attention under --sliding-window")
     g.add_argument("--init-from", help="warm start from a DFlash or DFlash2 export folder; its architecture wins "
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
@@ -142,7 +147,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoint/, resume.pt, metrics.jsonl, curves.png (and "
                    "target_features/ with --cache-target-features disk) go here")
-    g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
+    g.add_argument("--seed", type=int, default=0, help="drafter init, data order, anchor draws and sampled regeneration")
     g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines")
     g.add_argument("--eval-every", type=at_least(0), default=0, help="steps between evaluations (0: only at the end)")
     g.add_argument("--save-every", type=at_least(0), default=200, help="steps between checkpoints (0: only at the end)")
@@ -386,8 +391,13 @@ def build_drafter(args, tokenizer, target_config, rows, log):
     mask_token_id, why = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size, used)
     log(f"mask token {mask_token_id}: {why}")
     layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    outside = [i for i in args.full_attention_layers if not 0 <= i < args.num_layers]
+    if outside:
+        raise ValueError(f"--full-attention-layers {outside} outside the draft layers [0, {args.num_layers})")
+    window = {} if args.sliding_window is None else dict(sliding_window=args.sliding_window, layer_types=[
+        "full_attention" if i in args.full_attention_layers else "sliding_attention" for i in range(args.num_layers)])
     return DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers, block_size=args.block_size,
-                                                    mask_token_id=mask_token_id, **layer_ids, **parts))
+                                                    mask_token_id=mask_token_id, **layer_ids, **parts, **window))
 
 
 def served_target(target):
@@ -483,6 +493,7 @@ def train(args):
         + f": {why}")
     target = load_target(args.target, args.dtype, device)
     check_target(drafter.config, target)  # the loaded tables themselves, and the mask token
+    check_target_view(drafter.config, target, torch.as_tensor(train_rows[0]["input_ids"][:128])[None].to(device))
     meta = {"run": run, "target_weights": weights_fingerprint(target)}
     drafter.to(device).grad_checkpoint = args.grad_checkpoint
     params = list(drafter.parameters())

@@ -688,3 +688,34 @@ def test_a_factored_dry_run_writes_a_loadable_export(world, tmp_path, no_target_
     assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
     successor = drafter.state_dict()["candidate_selector.successor_codebook"]
     assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
+
+
+def test_a_sliding_window_dry_run_exports_the_layer_types_asked_for(world, tmp_path, no_target_load):
+    out = tmp_path / "dry"
+    train.train(args_for(world, out, "--num-layers", "3", "--sliding-window", "64", "--full-attention-layers", "1",
+                         "--dry-run"))
+    c = checkpoint.load_export(out / "checkpoint").config
+    assert (c.layer_types, c.sliding_window) == (["sliding_attention", "full_attention", "sliding_attention"], 64), c
+    with pytest.raises(ValueError, match=r"--full-attention-layers \[3\] outside the draft layers \[0, 3\)"):
+        train.train(args_for(world, tmp_path / "bad", "--num-layers", "3", "--sliding-window", "64",
+                             "--full-attention-layers", "3", "--dry-run"))
+
+
+def test_training_stops_on_a_target_whose_forward_the_drafter_does_not_follow(world, tmp_path, monkeypatch):
+    """The first-batch check: a target whose logits are scaled behind the drafter's back stops the
+    run with one line naming its family, before any step."""
+    load = train.load_target
+
+    def scaled(*args, **kwargs):
+        model = load(*args, **kwargs)
+        forward = model.forward
+
+        def forward_scaled(*a, **k):
+            out = forward(*a, **k)
+            out.logits = out.logits * 2
+            return out
+        model.forward = forward_scaled
+        return model
+    monkeypatch.setattr(train, "load_target", scaled)
+    with pytest.raises(ValueError, match=r"the 'qwen3' target's logits differ from what the drafter computes"):
+        train.train(args_for(world, tmp_path / "out", "--steps", "1"))
