@@ -472,7 +472,7 @@ def plot_curves(out_dir):
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     ax[0].plot([r["step"] for r in train_rows], [r["loss"] for r in train_rows], label="train loss")
     ax[0].plot([r["step"] for r in evals], [r["loss"] for r in evals], "o-", label="val loss")
-    for key in ("al_unary", "al_selector", "al_oracle"):
+    for key in ("al_unary", "al_walk", "al_oracle"):
         ax[1].plot([r["step"] for r in train_rows if key in r], [r[key] for r in train_rows if key in r], label=key)
     for r in evals:
         ax[2].plot(range(1, len(r["slot_acc"]) + 1), r["slot_acc"], "o-", label=f"step {r['step']}")

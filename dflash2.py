@@ -865,33 +865,41 @@ def block_slots(anchors, anchor_valid, loss_mask, block_size):
     return counted, t_in - 1
 
 
-def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
-              cfg=LossConfig(), with_metrics=True):
+def packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid):
+    """The drafter over a batch's packed blocks, read per slot (block_slots): -> h (b, N, B-1, H) its
+    outputs, ref_h (b, N, B-1, H) the target's last hidden states at t - 1 (whose logits are the
+    reference law), prev (b, N, B-1) the selector's predecessor ids there, counted (b, N, B-1) bool."""
+    c = drafter.config
+    B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
+    dtype = drafter.fc.weight.dtype
+    ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
+    mask = block_attention_mask(anchors, attention_mask, B)
+    ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
+    h = drafter(embed_tokens(c, embed, ids).to(dtype), pos, context.to(dtype), ctx_pos, mask).view(b, N, B, -1)
+    counted, src = block_slots(anchors, anchor_valid, loss_mask, B)
+    rows = torch.arange(b, device=input_ids.device)[:, None, None]
+    return h[:, :, 1:], last_hidden[rows, src], input_ids[rows, src], counted
+
+
+def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
+              cfg=LossConfig()):
     """The weighted sums the §6 loss divides, over the counted slots of a batch's packed blocks
-    (block_slots) with slot_losses' terms and w_k = exp(-(k-1)/γ). -> (sums, metrics):
+    with slot_losses' terms and w_k = exp(-(k-1)/γ):
 
         unary = Σ w·term, unary_weight = Σ w;  with a selector also  selector = Σ w·sel,
         selector_weight = Σ w·m,  m the labels' mass on the top-K (argmax labels: 1[y ∈ C])
 
-    hidden_states: the target's HF hidden states; only those of target_layer_ids (index l + 1)
-    and the last are read. The target's logits are lm_head(hidden_states[-1]): HF's last hidden
-    state is after the final norm. with_metrics: also the §6 metrics as floats (host syncs)."""
+    input_ids / attention_mask / loss_mask (b, S); context (b, S, nf·H) the target's features at
+    target_layer_ids (context_features); last_hidden (b, S, H) its last hidden state, after the
+    final norm (the target's logits are target_logits of it); anchors / anchor_valid (b, N).
+    -> {name: sum} (tensors; data parallel reduces them by name)."""
     c = drafter.config
-    B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
     embed, lm_head = check_target(c, target)
-    dtype = drafter.fc.weight.dtype
-    ctx = context_features(hidden_states, c.target_layer_ids).to(dtype)
-    ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
-    mask = block_attention_mask(anchors, attention_mask, B)
-    ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
-    h = drafter(embed_tokens(c, embed, ids).to(dtype), pos, ctx, ctx_pos, mask).view(b, N, B, -1)[:, :, 1:]
-
-    counted, src = block_slots(anchors, anchor_valid, loss_mask, B)
-    rows = torch.arange(b, device=input_ids.device)[:, None, None]
-    prev, ref_h = input_ids[rows, src], hidden_states[-1][rows, src]     # (b, N, B-1), (b, N, B-1, H)
-    gamma = default_gamma(B) if cfg.gamma is None else cfg.gamma
+    h, ref_h, prev, counted = packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden,
+                                           anchors, anchor_valid)
+    gamma = default_gamma(c.block_size) if cfg.gamma is None else cfg.gamma
     logits_dtype = torch.promote_types(lm_head.weight.dtype, torch.float32)  # head_logits': fp64 stays fp64
-    w = torch.exp(-torch.arange(B - 1, device=h.device, dtype=logits_dtype) / gamma) * counted
+    w = torch.exp(-torch.arange(c.block_size - 1, device=h.device, dtype=logits_dtype) / gamma) * counted
 
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
@@ -905,12 +913,7 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_stat
     sums = {"unary": totals[0], "unary_weight": w.sum()}
     if c.selector_top_k:
         sums.update(selector=totals[1], selector_weight=totals[2])
-    metrics = {}
-    if with_metrics:
-        with torch.no_grad():
-            metrics = _metrics(drafter, embed, lm_head, h, ref_h, prev, counted, cfg.chunk_size,
-                               cfg.accept_at or (1.0, 1.0, 0))
-    return sums, metrics
+    return sums
 
 
 def loss_from_sums(sums, alpha, weights=None):
@@ -928,23 +931,18 @@ def loss_from_sums(sums, alpha, weights=None):
     return loss, {**stats, "loss": loss.detach()}
 
 
-def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors, anchor_valid,
-                 cfg=LossConfig(), with_metrics=True):
-    """L = L_unary + α·L_sel over the packed blocks of a batch (loss_sums, loss_from_sums);
-    returns (loss, stats). with_metrics: also the §6 metrics, every stat a float (host syncs);
-    training steps pass False and get the loss terms as detached tensors."""
-    sums, metrics = loss_sums(drafter, target, input_ids, attention_mask, loss_mask, hidden_states, anchors,
-                              anchor_valid, cfg, with_metrics)
-    loss, stats = loss_from_sums(sums, cfg.alpha)
-    if with_metrics:
-        stats = {k: v.item() for k, v in stats.items()} | metrics
-    return loss, stats
+def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
+                 cfg=LossConfig()):
+    """L = L_unary + α·L_sel over the packed blocks of a batch: loss_from_sums(loss_sums(...)).
+    -> (L, {loss, unary_loss, selector_loss} detached tensors)."""
+    return loss_from_sums(loss_sums(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden,
+                                    anchors, anchor_valid, cfg), cfg.alpha)
 
 
-def _metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
+def metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
     """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for unary
-    argmax right, label among the top-K, teacher-forced selector pick right, the walk (its own
-    choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
+    argmax right, label among the top-K (oracle), teacher-forced selector pick right, the walk (its
+    own choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
     the chance rejection sampling keeps the unary / selector draft (§4), and the target's mass on the top-K."""
     unary, ref = target_logits(drafter.config, lm_head, h), target_logits(drafter.config, lm_head, ref_h)
     label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
@@ -960,14 +958,19 @@ def _metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
     return hits
 
 
-def _metrics(drafter, embed, lm_head, h, ref_h, prev, counted, chunk_size, accept_at):
-    """§6 metrics over counted slots, a chunk of whole blocks at a time (the walk runs
-    along a block); a slot that isn't counted ends an acceptance run.
-    h / ref_h (b, N, B-1, H), prev / counted (b, N, B-1)."""
+@torch.no_grad()
+def dflash2_metrics(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
+                    cfg=LossConfig()):
+    """The §6 metrics of a batch, loss_sums' inputs, as floats (host syncs), at cfg.accept_at (None:
+    T = 1, no filter), a chunk of whole blocks at a time (the walk runs along a block); a slot that
+    isn't counted ends an acceptance run."""
+    embed, lm_head = check_target(drafter.config, target)
+    h, ref_h, prev, counted = packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden,
+                                           anchors, anchor_valid)
     flat = [x.flatten(0, 1) for x in (h, ref_h, prev)]
     M = len(flat[0])
-    size = M if chunk_size is None else max(1, chunk_size // counted.shape[-1])
-    parts = [_metric_hits(drafter, embed, lm_head, *(x[i:i + size] for x in flat), accept_at)
+    size = M if cfg.chunk_size is None else max(1, cfg.chunk_size // counted.shape[-1])
+    parts = [metric_hits(drafter, embed, lm_head, *(x[i:i + size] for x in flat), cfg.accept_at or (1.0, 1.0, 0))
              for i in range(0, M, size)]
     hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
     blocks = counted[..., 0]
@@ -980,9 +983,9 @@ def _metrics(drafter, embed, lm_head, h, ref_h, prev, counted, chunk_size, accep
     if "walk" in hit:
         run = (hit["walk"] & counted).long().cumprod(-1).bool()
         reached = counted & torch.cat([torch.ones_like(run[..., :1]), run[..., :-1]], -1)  # prefix all right
-        m.update(recall_at_k=overall(hit["oracle"]), selector_tf_acc=overall(hit["tf"]),
-                 selector_path_acc=per_slot(hit["walk"], reached),
-                 al_selector=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]),
+        m.update(oracle=overall(hit["oracle"]), selector_tf_acc=overall(hit["tf"]),
+                 walk_slot_acc=per_slot(hit["walk"], reached),
+                 al_walk=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]),
                  accept_selector=overall(hit["accept_selector"]), mass_at_k=overall(hit["mass_at_k"]))
     return m
 

@@ -4,7 +4,7 @@ mask token the drafter's blocks are filled with (ALGORITHM.md §1).
 
     tokenizer = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")    # a hub id or a model folder
     model = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))   # or a GGUF file
-    features = TargetFeatures(key, layer_ids, num_layers)   # each row's features once (--cache-target-features)
+    features = TargetFeatures(key, layer_ids)   # each row's features once (--cache-target-features)
 
 A GGUF file is read by transformers itself (the `gguf` package), dequantized to the dtype
 asked for: the file's folder and name go to `from_pretrained(folder, gguf_file=name)`.
@@ -132,12 +132,14 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
 
 
 @torch.no_grad()
-def hidden_states(target, ids, attention_mask):
-    """The target's HF hidden states of a batch (L + 1 of them, embeddings first, the last after
-    the final norm), from its decoder alone: the loss applies lm_head where it needs it, never
-    to (b, S, V) at once. (Through the whole model even one position's logits cost a copy of
+def target_features(target, ids, attention_mask, layer_ids):
+    """What the loss reads of the target for a batch (ALGORITHM.md §1, §6), from its decoder alone:
+    -> context (b, S, nf·H), its hidden states at layer_ids concatenated (Hugging Face index l + 1),
+    and last_hidden (b, S, H), after the final norm. The loss applies lm_head where it needs it,
+    never to (b, S, V) at once. (Through the whole model even one position's logits cost a copy of
     lm_head per row on a CPU: the last position is a strided slice, which matmul cannot fold.)"""
-    return target.base_model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    states = target.base_model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    return torch.cat([states[l + 1] for l in layer_ids], -1), states[-1]
 
 
 def token_digest(ids):
@@ -153,8 +155,8 @@ class TargetFeatures:
     the layer ids, the dtype) is checked against the folder's, and each row's tokens against
     those its features were computed for; a mismatch is refused, never reused."""
 
-    def __init__(self, key, layer_ids, num_target_layers, folder=None):
-        self.layer_ids, self.num_states, self.folder, self.rows = list(layer_ids), num_target_layers + 1, folder, {}
+    def __init__(self, key, layer_ids, folder=None):
+        self.layer_ids, self.folder, self.rows = list(layer_ids), folder, {}
         if folder is None:
             return
         os.makedirs(folder, exist_ok=True)
@@ -200,27 +202,21 @@ class TargetFeatures:
         safetensors.torch.save_file({"features": features.contiguous()}, tmp, metadata={"tokens": token_digest(ids)})
         os.replace(tmp, self._path(row))
 
-    def hidden_states(self, target, ids, attention_mask, rows):
-        """The target's hidden states of a right-padded batch (ids, attention_mask (b, S)) whose
-        rows are the training rows `rows`, as dflash2.loss_sums reads them: L + 1 entries, only the
-        layer ids' (index l + 1) and the last filled, zero past each row's length (masked there).
-        One target pass over the batch if any of its rows is not cached yet."""
+    def features(self, target, ids, attention_mask, rows):
+        """target_features of a right-padded batch (ids, attention_mask (b, S)) whose rows are the
+        training rows `rows`: -> context (b, S, nf·H), last_hidden (b, S, H), zero past each row's
+        length (masked there). One target pass over the batch if any of its rows is not cached yet."""
         lengths = attention_mask.sum(1).tolist()
         held = [self._get(r, ids[i, :n]) for i, (r, n) in enumerate(zip(rows, lengths))]
         if any(h is None for h in held):
-            states = hidden_states(target, ids, attention_mask)
-            read = [states[l + 1] for l in self.layer_ids] + [states[-1]]
+            context, last = target_features(target, ids, attention_mask, self.layer_ids)
             for i, (r, n) in enumerate(zip(rows, lengths)):
                 if held[i] is None:
-                    self._put(r, ids[i, :n], torch.cat([x[i, :n] for x in read], -1).cpu())
-        else:
-            b, S = ids.shape
-            features = torch.zeros(b, S, held[0].shape[-1], dtype=held[0].dtype, device=ids.device)
-            for i, (h, n) in enumerate(zip(held, lengths)):
-                features[i, :n] = h
-            read = features.chunk(len(self.layer_ids) + 1, dim=-1)
-        states = [None] * self.num_states
-        for l, x in zip(self.layer_ids, read):
-            states[l + 1] = x
-        states[-1] = read[-1]
-        return states
+                    self._put(r, ids[i, :n], torch.cat([context[i, :n], last[i, :n]], -1).cpu())
+            return context, last
+        b, S = ids.shape
+        features = torch.zeros(b, S, held[0].shape[-1], dtype=held[0].dtype, device=ids.device)
+        for i, (h, n) in enumerate(zip(held, lengths)):
+            features[i, :n] = h
+        H = features.shape[-1] // (len(self.layer_ids) + 1)
+        return features[..., :-H], features[..., -H:]

@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 from conftest import tiny_qwen3
 from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
                      block_attention_mask, block_layout, block_slots, context_features, default_gamma,
-                     default_target_layer_ids, dflash2_loss, expected_acceptance_length, local_conv,
+                     default_target_layer_ids, dflash2_loss, dflash2_metrics, expected_acceptance_length, local_conv,
                      sample_anchors, slot_losses)
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
@@ -100,6 +100,20 @@ def model_logits(target, batch):
         return target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
+def loss_inputs(batch):
+    """The loss's plain-tensor inputs of a batch: ids and masks, the context features and the last hidden state."""
+    hs = batch["hidden_states"]
+    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"],
+                context=context_features(hs, LAYER_IDS), last_hidden=hs[-1])
+
+
+def loss_and_metrics(drafter, target, batch, anchors, anchor_valid, cfg=LossConfig()):
+    """dflash2_loss and dflash2_metrics of a batch: (L, its stats as floats with the §6 metrics)."""
+    inputs = dict(loss_inputs(batch), anchors=anchors, anchor_valid=anchor_valid)
+    loss, stats = dflash2_loss(drafter, target, **inputs, cfg=cfg)
+    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, target, **inputs, cfg=cfg)
+
+
 def with_last_hidden(batch, G):
     """The batch with G (b, S, H) as the target's final hidden state: target logits lm_head(G)."""
     return {**batch, "hidden_states": (*batch["hidden_states"][:-1], G)}
@@ -131,7 +145,7 @@ def loss_and_logits(drafter, target, batch, **kw):
     seen = []
     hook = drafter.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
-        loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+        loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     finally:
         hook.remove()
     h = seen[0].detach().view(*ANCHORS.shape, B, H)
@@ -364,7 +378,7 @@ def test_default_target_layer_ids_are_the_published_choice_and_distinct_layers()
 def test_training_functions_refuse_bad_arguments(target, batch):
     with pytest.raises(ValueError, match=r"max_anchors \(0\) must be >= 1"):
         sample_anchors(batch["loss_mask"], 0)
-    loss = lambda drafter=None, **kw: dflash2_loss(drafter or make_drafter(), target, **batch, anchors=ANCHORS,
+    loss = lambda drafter=None, **kw: loss_and_metrics(drafter or make_drafter(), target, batch, anchors=ANCHORS,
                                                    anchor_valid=VALID, cfg=LossConfig(**kw))
     for kw, message in ((dict(loss_type="mse"), r"loss_type \('mse'\) must be 'kl' or 'ce'"),
                         (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
@@ -453,15 +467,15 @@ def test_shapes_and_dtypes_of_layout_mask_drafter_and_proposals(target, batch):
 
 
 def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
-    loss, stats = dflash2_loss(make_drafter(randomize=True), target, **batch, anchors=ANCHORS, anchor_valid=VALID)
+    loss, stats = loss_and_metrics(make_drafter(randomize=True), target, batch, anchors=ANCHORS, anchor_valid=VALID)
     assert loss.dim() == 0 and loss.dtype == torch.float64 and loss.requires_grad, \
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
-    keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "recall_at_k", "selector_tf_acc",
-            "selector_path_acc", "al_selector", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
+    keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "oracle", "selector_tf_acc",
+            "walk_slot_acc", "al_walk", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
-    assert len(stats["slot_acc"]) == len(stats["selector_path_acc"]) == B - 1, \
-        f"per-slot metrics {stats['slot_acc']}, {stats['selector_path_acc']} should have B-1 = {B - 1} entries"
+    assert len(stats["slot_acc"]) == len(stats["walk_slot_acc"]) == B - 1, \
+        f"per-slot metrics {stats['slot_acc']}, {stats['walk_slot_acc']} should have B-1 = {B - 1} entries"
 
 
 def test_bf16_drafter_drafts_in_bf16_and_keeps_the_selector_q_in_fp32(target, batch):
@@ -949,7 +963,7 @@ def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monk
     kl = {}
     for shift in (-1, 0, 1):
         monkeypatch.setattr(drafter, "forward", echo_forward(G, shift))
-        _, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)
+        _, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)
         kl[shift] = stats["unary_loss"]
         if shift == 0:
             assert stats["slot_acc"] == [1.0] * (B - 1), f"aligned drafter has slot accuracy {stats['slot_acc']}"
@@ -981,7 +995,7 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
     h = forward(None, pos, None, None).view(2, N, B, H)
     unary = target.lm_head(h[:, :, 1:])
     batch, logits = with_last_hidden(batch, G), target.lm_head(G)
-    stats = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid,
+    stats = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid,
                          cfg=LossConfig(accept_at=accept_at))[1]
     temperature, top_p, top_k = accept_at or (1.0, 1.0, 0)
 
@@ -1015,15 +1029,15 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
     keys = [s[:3] for s in slots]
     reached = [s for s in keys if all(hits["walk"].get((s[0], s[1], k), False) for k in range(1, s[2]))]
     want = {"slot_acc": per_slot(hits["unary"], keys), "al_unary": mean_al(hits["unary"]),
-            "recall_at_k": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
-            "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_selector": mean_al(hits["walk"]),
-            "selector_path_acc": per_slot(hits["walk"], reached), **{k: v / len(keys) for k, v in accept.items()}}
+            "oracle": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
+            "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_walk": mean_al(hits["walk"]),
+            "walk_slot_acc": per_slot(hits["walk"], reached), **{k: v / len(keys) for k, v in accept.items()}}
     for name, value in want.items():
         got = stats[name]
         assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
                               atol=1e-6), f"{name}: {got} != loop {value}"
-    assert all(0 < x < 1 for x in stats["slot_acc"] + stats["selector_path_acc"][:2]) \
-        and stats["al_unary"] not in (stats["al_selector"], stats["al_oracle"]) \
+    assert all(0 < x < 1 for x in stats["slot_acc"] + stats["walk_slot_acc"][:2]) \
+        and stats["al_unary"] not in (stats["al_walk"], stats["al_oracle"]) \
         and 0 < stats["accept_selector"] < stats["mass_at_k"] < 1, \
         f"metrics too degenerate to tell a wrong one from a right one: {stats}"
 
@@ -1031,7 +1045,7 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
 def drafter_grads(target, batch, randomize=True, codebooks="free", **kw):
     """Gradients of the loss; top-K = V puts every label among the candidates."""
     drafter = make_drafter(randomize=randomize, selector_top_k=V, selector_codebooks=codebooks)
-    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+    loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     assert stats["selector_loss"] > 0, "no label in the top-K: the selector loss has no gradient to test"
     loss.backward()
     return {name: p.grad for name, p in drafter.named_parameters()}
@@ -1076,7 +1090,7 @@ def test_target_logits_are_lm_head_of_the_last_hidden_state(target, batch):
 
 def loss_and_grads(drafter, target, batch, **kw):
     drafter.zero_grad(set_to_none=True)
-    loss, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+    loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     loss.backward()
     return loss.item(), stats, {name: p.grad.clone() for name, p in drafter.named_parameters()}
 
@@ -1157,16 +1171,16 @@ def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
                 f"{loss_type} row {i}: gradient off by {max_diff(grad[i], want_grad):.3g} from w·(softmax(z) - π)"
 
 
-def test_training_steps_skip_the_metrics(target, batch, monkeypatch):
-    """with_metrics=False: no walk, no host sync; the loss terms come back as detached tensors."""
+def test_the_loss_skips_the_metrics(target, batch, monkeypatch):
+    """dflash2_loss: no walk, no host sync; the loss terms come back as detached tensors."""
     drafter = make_drafter(randomize=True)
-    want = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID)[1]
+    want = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)[1]
 
     def no_walk(*args, **kw):
-        raise AssertionError("with_metrics=False still walked the selector")
+        raise AssertionError("dflash2_loss walked the selector")
     monkeypatch.setattr(drafter.candidate_selector, "walk", no_walk)
-    _, stats = dflash2_loss(drafter, target, **batch, anchors=ANCHORS, anchor_valid=VALID,
-                            cfg=LossConfig(chunk_size=3), with_metrics=False)
+    _, stats = dflash2_loss(drafter, target, **loss_inputs(batch), anchors=ANCHORS, anchor_valid=VALID,
+                            cfg=LossConfig(chunk_size=3))
     assert set(stats) == {"loss", "unary_loss", "selector_loss"}, f"stats of a training step: {sorted(stats)}"
     for key, value in stats.items():
         assert torch.is_tensor(value) and not value.requires_grad and abs(value.item() - want[key]) < 1e-10, \
@@ -1181,11 +1195,11 @@ def test_grad_checkpoint_gives_the_same_gradients(target, batch):
     drafter.layers[0].register_forward_pre_hook(lambda *args: calls.append(1))
     want = loss_and_grads(drafter, target, batch)
     drafter.grad_checkpoint = True
-    n_plain = len(calls)
     got = loss_and_grads(drafter, target, batch)
-    assert len(calls) - n_plain == 2 * n_plain, \
-        f"layer 0 ran {len(calls) - n_plain} times with grad_checkpoint, want {2 * n_plain} (forward + recompute)"
     assert_same_loss(got, want, "grad_checkpoint", 1e-12)
+    calls.clear()
+    dflash2_loss(drafter, target, **loss_inputs(batch), anchors=ANCHORS, anchor_valid=VALID)[0].backward()
+    assert len(calls) == 2, f"layer 0 ran {len(calls)} times with grad_checkpoint, want 2 (forward + recompute)"
 
 
 def test_drafter_overfits_a_fixed_batch():
@@ -1196,7 +1210,7 @@ def test_drafter_overfits_a_fixed_batch():
     opt = torch.optim.AdamW(drafter.parameters(), lr=6e-3, weight_decay=0.0)
     losses = []
     for _ in range(50):
-        loss, _ = dflash2_loss(drafter, target, **batch, anchors=anchors, anchor_valid=valid)
+        loss, _ = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid)
         opt.zero_grad()
         loss.backward()
         opt.step()

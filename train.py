@@ -24,13 +24,13 @@ import transformers
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
                      check_target_view,
-                     loss_from_sums, loss_sums, sample_anchors, spec_generate)
+                     dflash2_metrics, loss_from_sums, loss_sums, sample_anchors, spec_generate)
 from memory import check_fits, format_plan, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
 from data import collate, load_rows, parse_template_kwargs, read_conversations
 from regenerate import regenerate_file
-from target import (TargetFeatures, choose_mask_token, decoding_dtype, hidden_states, is_gguf, load_config,
+from target import (TargetFeatures, choose_mask_token, decoding_dtype, is_gguf, load_config, target_features,
                     load_target, load_tokenizer, training_dtype)
 from tiny_world import tiny_world
 
@@ -255,22 +255,38 @@ def mean_over_ranks(*weights):
     return total / dist.get_world_size()
 
 
-def loss_step(drafter, target, batch, cfg, max_anchors, seeds, with_metrics=True, features=None, rows=None,
-              data_parallel=False):
-    """One target pass (no grad; its logits only where the loss needs them, so never (b, S, V)
-    at once), or the cached features of the batch's training rows `rows`, + anchors + the DFlash2
-    loss, under bf16 autocast when the target is below float32. data_parallel: the loss weights
-    are the global batch's (mean_over_ranks). -> (loss, stats), stats floats with_metrics."""
+def step_inputs(target, batch, layer_ids, max_anchors, seeds, features=None, rows=None):
+    """The loss's plain-tensor inputs of a batch (dflash2.loss_sums): one target pass (no grad; its
+    logits only where the loss needs them, never (b, S, V) at once), or the cached features of the
+    batch's training rows `rows`, and each row's anchors from its seed.
+    -> (ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid)."""
     ids, attn, loss_mask = batch
-    states = hidden_states(target, ids, attn) if features is None else features.hidden_states(target, ids, attn, rows)
-    anchors, valid = row_anchors(loss_mask, max_anchors, seeds)
-    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=target.dtype in (torch.bfloat16, torch.float16)):
-        sums, metrics = loss_sums(drafter, target, ids, attn, loss_mask, states, anchors, valid, cfg, with_metrics)
+    context, last = (target_features(target, ids, attn, layer_ids) if features is None else
+                     features.features(target, ids, attn, rows))
+    return (ids, attn, loss_mask, context, last, *row_anchors(loss_mask, max_anchors, seeds))
+
+
+def below_float32(target):
+    """Under bf16 autocast: the drafter's step when the target is below float32."""
+    return torch.autocast(target.device.type, dtype=torch.bfloat16, enabled=target.dtype in (torch.bfloat16,
+                                                                                             torch.float16))
+
+
+def loss_step(drafter, target, inputs, cfg, data_parallel=False):
+    """The DFlash2 loss of step_inputs. data_parallel: the loss weights are the global batch's
+    (mean_over_ranks). -> (loss, {loss, unary_loss, selector_loss} detached tensors)."""
+    with below_float32(target):
+        sums = loss_sums(drafter, target, *inputs, cfg)
     weights = None
     if data_parallel:
         weights = mean_over_ranks(sums["unary_weight"], sums.get("selector_weight", sums["unary_weight"]))
-    loss, stats = loss_from_sums(sums, cfg.alpha, weights)
-    return loss, ({k: v.item() for k, v in stats.items()} | metrics) if with_metrics else stats
+    return loss_from_sums(sums, cfg.alpha, weights)
+
+
+def step_stats(drafter, target, inputs, cfg, terms):
+    """A logged batch's stats, floats: the loss terms and the §6 metrics (host syncs)."""
+    with below_float32(target):
+        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, target, *inputs, cfg)
 
 
 def feature_cache(args, target, c, train_rows, total_rows_drawn, log):
@@ -294,15 +310,18 @@ def feature_cache(args, target, c, train_rows, total_rows_drawn, log):
            "dtype": str(target.dtype).removeprefix("torch.")}
     log(f"target features: cached {'in ' + folder if folder else 'in memory'}, {size / 2**30:.2f} GiB for "
         f"{len(train_rows)} rows ({why})")
-    return TargetFeatures(key, c.target_layer_ids, target.config.num_hidden_layers, folder)
+    return TargetFeatures(key, c.target_layer_ids, folder)
 
 
 @torch.no_grad()
 def evaluate(drafter, target, tokenizer, val, args, device, log):
     seeds = [-1 - anchor_seed(args.seed, i) for i in range(len(val))]
-    stats = mean_stats([loss_step(drafter, target, collate(val[i:i + args.batch_size], tokenizer.pad_token_id, device),
-                                  loss_config(args), args.max_anchors, seeds[i:i + args.batch_size])[1]
-                        for i in range(0, len(val), args.batch_size)])
+    batches = [step_inputs(target, collate(val[i:i + args.batch_size], tokenizer.pad_token_id, device),
+                           drafter.config.target_layer_ids, args.max_anchors, seeds[i:i + args.batch_size])
+               for i in range(0, len(val), args.batch_size)]
+    cfg = loss_config(args)
+    stats = mean_stats([step_stats(drafter, target, inputs, cfg, loss_step(drafter, target, inputs, cfg)[1])
+                        for inputs in batches])
     trained_in = target.dtype
     target.to(decoding_dtype(device, trained_in))  # and back below: bf16 -> float32 -> bf16 is exact
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
@@ -322,8 +341,8 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
     target.to(trained_in)
     sel = lambda k: f"{stats[k]:.3f}" if k in stats else "-"
     log(f"eval | val loss {stats['loss']:.4f} unary {stats['unary_loss']:.4f} sel {sel('selector_loss')} | "
-        f"recall@K {sel('recall_at_k')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
-        f"{stats['al_unary']:.2f} selector {sel('al_selector')} oracle {sel('al_oracle')} | T=1 acceptance unary "
+        f"oracle (label in top-K) {sel('oracle')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
+        f"{stats['al_unary']:.2f} walk {sel('al_walk')} oracle {sel('al_oracle')} | T=1 acceptance unary "
         f"{stats['accept_unary']:.3f} selector {sel('accept_selector')} (top-K mass {sel('mass_at_k')})")
     log("eval | slot accuracy " + " ".join(f"{a:.2f}" for a in stats["slot_acc"]))
     log(f"eval | spec_generate, {len(als)} held-out prompts, <= {args.eval_new_tokens} new tokens")
@@ -527,10 +546,10 @@ def train(args):
         micro_stats, log_step = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
             batch, rows, seeds = micro_batch(step, micro)
-            loss, stats = loss_step(drafter, target, batch, loss_cfg, args.max_anchors, seeds, log_step, features, rows,
-                                    world > 1)
+            inputs = step_inputs(target, batch, c.target_layer_ids, args.max_anchors, seeds, features, rows)
+            loss, terms = loss_step(drafter, target, inputs, loss_cfg, world > 1)
             (loss / args.grad_accum).backward()
-            micro_stats.append(stats)
+            micro_stats.append(step_stats(drafter, target, inputs, loss_cfg, terms) if log_step else terms)
             tokens += int(batch[1].sum()) * world
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
         if world > 1:  # the mean of the ranks' gradients is the global batch's (loss_step's weights)
@@ -561,7 +580,7 @@ def train(args):
             eta = (now - t_start) / (step - start_step) * (total - step)
             log(f"step {step:>5}/{total} | loss {losses[step]:.4f} unary {s['unary_loss']:.4f} sel "
                 f"{f('selector_loss', '.4f')} | slot acc {' '.join(f'{a:.2f}' for a in s['slot_acc'])} | AL unary "
-                f"{s['al_unary']:.2f} sel {f('al_selector', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | "
+                f"{s['al_unary']:.2f} walk {f('al_walk', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | "
                 f"{tokens / (now - t_log):.0f} tok/s | eta {int(eta // 60)}m{int(eta % 60):02d}s")
             if master:
                 record(args.out_dir, {"kind": "train", "step": step, **s, "loss": losses[step], "lr": lr,

@@ -161,9 +161,9 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
         for i in range(0, len(val), targs.batch_size):
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
-            n = int(train.row_anchors(batch[2], targs.max_anchors, seeds)[1].sum())  # the blocks loss_step draws
-            stats = train.loss_step(drafter, target, batch, train.loss_config(targs, accept_at), targs.max_anchors,
-                                    seeds)[1]
+            inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, targs.max_anchors, seeds)
+            n, cfg = int(inputs[-1].sum()), train.loss_config(targs, accept_at)  # the blocks the loss draws
+            stats = train.step_stats(drafter, target, inputs, cfg, train.loss_step(drafter, target, inputs, cfg)[1])
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
@@ -291,12 +291,12 @@ def summarize(a):
                     s[t][key] = ratio_ci(grid(name, t, "al"), grid("DFlash2", t, "al"))
         if r["val"]:
             s["val"] = {k: statistics.mean(v[k] for v in r["val"]) for k in
-                        ("blocks", "al_unary", "al_selector", "al_oracle", "recall_at_k", "selector_tf_acc",
+                        ("blocks", "al_unary", "al_walk", "al_oracle", "oracle", "selector_tf_acc",
                          *ACCEPT_KEYS) if k in r["val"][0]}
             s["val"]["at_write_up"] = {k: statistics.mean(v["at_write_up"][k] for v in r["val"])
                                        for k in r["val"][0]["at_write_up"]}
-            s["val"]["selector_path_acc"] = [statistics.mean(x) for x in zip(*(v["selector_path_acc"] for v in r["val"]))] \
-                if "selector_path_acc" in r["val"][0] else None
+            s["val"]["walk_slot_acc"] = [statistics.mean(x) for x in zip(*(v["walk_slot_acc"] for v in r["val"]))] \
+                if "walk_slot_acc" in r["val"][0] else None
             s["val"]["slot_acc"] = [statistics.mean(x) for x in zip(*(v["slot_acc"] for v in r["val"]))]
 
 
@@ -313,15 +313,15 @@ def markdown(a):
              f"{a['autoregressive_tokens_per_s']:.1f} tok/s", "",
              "| drafter | " + " | ".join(f"AL {t}" for t in settings) + " | expected AL unary / selector / oracle "
              f"(val) | T=1 acceptance unary / selector / top-K mass (val) | the same at {label(WRITE_UP)} (val) | "
-             "recall@K | selector tf-acc | tok/s | target fwd / token |", "|---|" + "---|" * (len(settings) + 7)]
+             "oracle | selector tf-acc | tok/s | target fwd / token |", "|---|" + "---|" * (len(settings) + 7)]
     for name, s in a["summary"].items():
         v = s.get("val", {})
         f = lambda *keys, at=v: " / ".join(f"{at[k]:.2f}" if k in at else "-" for k in keys) if at else ""
         lines.append(f"| {name} | " + " | ".join(ci(*s[t]["al"]) for t in settings) +
-                     f" | {f('al_unary', 'al_selector', 'al_oracle')} | "
+                     f" | {f('al_unary', 'al_walk', 'al_oracle')} | "
                      f"{f('accept_unary', 'accept_selector', 'mass_at_k')} | "
                      f"{f('accept_unary', 'accept_selector', 'mass_at_k', at=v.get('at_write_up'))} | "
-                     f"{f('recall_at_k')} | "
+                     f"{f('oracle')} | "
                      f"{f('selector_tf_acc')} | {s[settings[0]]['tokens_per_s']:.1f} | "
                      f"{s[settings[0]]['target_forwards_per_token']:.3f} |")
     blocks = [s["val"]["blocks"] for s in a["summary"].values() if "val" in s]

@@ -166,14 +166,13 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
     """One optimizer step as train.py takes it, loss_mask = all ones: the target's decoder
     with hidden states (its lm_head only inside the loss), anchors, the loss without
     metrics under bf16 autocast on CUDA, backward, AdamW. -> loss (tensor)."""
+    from target import target_features
     ones = torch.ones_like(ids)
-    with torch.no_grad():
-        hidden = target.get_decoder()(input_ids=ids, attention_mask=ones, output_hidden_states=True).hidden_states
+    context, last = target_features(target, ids, ones, drafter.config.target_layer_ids)
     anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
     with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.device.type == "cuda"):
-        loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors.to(ids.device),
-                                       valid.to(ids.device), dflash2.LossConfig(chunk_size=loss_chunk),
-                                       with_metrics=False)
+        loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors.to(ids.device),
+                                       valid.to(ids.device), dflash2.LossConfig(chunk_size=loss_chunk))
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -191,17 +190,6 @@ def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chu
         opt = torch.optim.AdamW(d.parameters(), lr=1e-6)
         fns[name] = lambda d=d, opt=opt: train_step(d, target, opt, ids, max_anchors, loss_chunk, g)
     return median_seconds(fns, repeats, warmup, device=dev)
-
-
-class Precomputed:
-    """train.loss_step's `features` with the target's hidden states already at hand: the step
-    without its target part, to time the drafter's loss forward and backward alone."""
-
-    def __init__(self, states):
-        self.states = states
-
-    def hidden_states(self, *_):
-        return self.states
 
 
 def product_rate(dtype, m=1792, k=576, n=49152, repeats=3):
@@ -231,7 +219,7 @@ def train_part(device, repeats, quick):
     the target part, the drafter's loss forward + backward, and the whole step with AdamW, rounds
     interleaved; each step's floor is its product FLOPs at this machine's product rate."""
     import train
-    from target import TargetFeatures, hidden_states, native_bf16_cpu
+    from target import TargetFeatures, native_bf16_cpu
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -257,19 +245,19 @@ def train_part(device, repeats, quick):
         features = None
         if mode == "cached":
             key = {"target_weights": [0.0], "target_layer_ids": c.target_layer_ids, "dtype": dtype}
-            features = TargetFeatures(key, c.target_layer_ids, shape["layers"])
-            features.hidden_states(target, ids, ones, rows)  # filled once, as a run's first epoch does
-        states = features.hidden_states(target, ids, ones, rows) if features else hidden_states(target, ids, ones)
+            features = TargetFeatures(key, c.target_layer_ids)
+            features.features(target, ids, ones, rows)  # filled once, as a run's first epoch does
+        inputs = train.step_inputs(target, batch, c.target_layer_ids, anchors, seeds, features, rows)
 
         def target_part(target=target, features=features):
-            return features.hidden_states(target, ids, ones, rows) if features else hidden_states(target, ids, ones)
+            return train.step_inputs(target, batch, c.target_layer_ids, anchors, seeds, features, rows)
 
-        def loss_part(drafter=drafter, target=target, cfg=cfg, states=states):
+        def loss_part(drafter=drafter, target=target, cfg=cfg, inputs=inputs):
             drafter.zero_grad(set_to_none=True)
-            train.loss_step(drafter, target, batch, cfg, anchors, seeds, False, Precomputed(states))[0].backward()
+            train.loss_step(drafter, target, inputs, cfg)[0].backward()
 
         def whole_step(drafter=drafter, target=target, cfg=cfg, features=features, optimizer=optimizer):
-            train.loss_step(drafter, target, batch, cfg, anchors, seeds, False, features, rows)[0].backward()
+            train.loss_step(drafter, target, target_part(target, features), cfg)[0].backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 

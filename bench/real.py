@@ -168,7 +168,7 @@ def learning_curves(out_dir, names):
     for name in names:
         with open(os.path.join(run_dir(out_dir, name, 0), "metrics.jsonl")) as f:
             evals = [r for r in map(json.loads, f) if r["kind"] == "eval"]
-        curves[name] = [[r["step"], r.get("al_selector", r["al_unary"])] for r in evals]
+        curves[name] = [[r["step"], r.get("al_walk", r["al_unary"])] for r in evals]
     return curves
 
 

@@ -147,12 +147,13 @@ def train(drafter, target, steps, seed):
     ones = torch.ones_like(corpus)
     with torch.no_grad():
         hidden_states = target(corpus, output_hidden_states=True).hidden_states
+    context, last = dflash2.context_features(hidden_states, drafter.config.target_layer_ids), hidden_states[-1]
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=LR, weight_decay=0.0)
     for _ in range(steps):
         rows = torch.randint(0, CORPUS_ROWS, (TRAIN_ROWS,), generator=g)
         anchors, valid = dflash2.sample_anchors(ones[rows], TRAIN_ANCHORS, g)
-        loss, _ = dflash2.dflash2_loss(drafter, target, corpus[rows], ones[rows], ones[rows],
-                                       tuple(h[rows] for h in hidden_states), anchors, valid, with_metrics=False)
+        loss, _ = dflash2.dflash2_loss(drafter, target, corpus[rows], ones[rows], ones[rows], context[rows], last[rows],
+                                       anchors, valid)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -804,9 +805,14 @@ def put_losses(put, drafter, target, batch, inp):
     put("loss.slots.candidate_mass", z(mass), "(b, N, B−1) m = Σ_{c∈C} p(c)")
     put("loss.slots.selector_soft", z(sel_soft), "(b, N, B−1) ℓ_sel,soft = −Σ_{c∈C} p(c)·log softmax(E)[c]")
 
+    plain = lambda valid=batch["anchor_valid"], rows=slice(None): (
+        batch["input_ids"][rows], batch["attention_mask"][rows], batch["loss_mask"][rows], inp["ctx_features"][rows],
+        inp["hidden_states"][-1][rows], anchors[rows], valid[rows])  # the loss's plain-tensor inputs
+
     def loss(**kw):
-        return dflash2.dflash2_loss(drafter, target, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                    inp["hidden_states"], anchors, batch["anchor_valid"], dflash2.LossConfig(**kw))
+        cfg = dflash2.LossConfig(**kw)
+        value, stats = dflash2.dflash2_loss(drafter, target, *plain(), cfg)
+        return value, {k: v.item() for k, v in stats.items()} | dflash2.dflash2_metrics(drafter, target, *plain(), cfg)
 
     cases = {"kl": ({}, "L_unary with ℓ_kl + α·L_sel with argmax labels, α = 1, γ = the default (training's default)"),
              "ce": (dict(loss_type="ce"), "ℓ_ce instead of ℓ_kl"),
@@ -834,17 +840,14 @@ def put_losses(put, drafter, target, batch, inp):
             f"{key} with §4's p and q at the sampling setting (T, top_p, top_k) = {SERVED} (accept_at)")
 
     none_valid = torch.zeros_like(batch["anchor_valid"])
-    value, stats = dflash2.dflash2_loss(drafter, target, batch["input_ids"], batch["attention_mask"], batch["loss_mask"],
-                                        inp["hidden_states"], anchors, none_valid)
+    value = dflash2.dflash2_loss(drafter, target, *plain(none_valid))[0]
+    stats = dflash2.dflash2_metrics(drafter, target, *plain(none_valid))
     put("loss.empty.loss", value.detach(), "() L with every anchor invalid (no counted slot): 0 / max(0, 1e-9) = 0")
-    for key in ("slot_acc", "al_unary", "accept_unary", "recall_at_k", "al_selector"):
+    for key in ("slot_acc", "al_unary", "accept_unary", "oracle", "al_walk"):
         put(f"loss.empty.{key}", torch.tensor(stats[key], dtype=torch.float32),
             f"{key} with no counted slot: empty counts are floored at 1, so 0 (an AL over no block is 0 too)")
 
-    rank_sums = [dflash2.loss_sums(drafter, target, batch["input_ids"][r:r + 1], batch["attention_mask"][r:r + 1],
-                                   batch["loss_mask"][r:r + 1], tuple(x[r:r + 1] for x in inp["hidden_states"]),
-                                   anchors[r:r + 1], batch["anchor_valid"][r:r + 1], with_metrics=False)[0]
-                 for r in range(2)]
+    rank_sums = [dflash2.loss_sums(drafter, target, *plain(rows=slice(r, r + 1))) for r in range(2)]
     sums = [torch.stack([s["unary_weight"], s["selector_weight"]]) for s in rank_sums]
     mean = torch.stack(sums).mean(0)
     rank_losses = torch.stack([dflash2.loss_from_sums(s, 1.0, tuple(mean))[0].detach() for s in rank_sums])

@@ -480,15 +480,15 @@ def metrics(W, cfg, slots, hidden, lm_head, anchors, B, accept_at=(1.0, 1.0, 0))
     t, p_at = accept_at[0], [sampling_law(s["z"], *accept_at) for s in every]  # the target's law, slot by slot
     out["accept_unary"] = mean([np.minimum(p, sampling_law(s["U"], *accept_at)).sum() for p, s in zip(p_at, every)])
     if cfg["K"]:
-        out["recall_at_k"] = mean([s["y"] in s["C"] for s in every])
+        out["oracle"] = mean([s["y"] in s["C"] for s in every])
         out["selector_tf_acc"] = mean([bool(hit["tf"](s)) for s in every])
         path_acc = []
         for k in range(1, B):
             reached = [(r, j) for (r, j, kk), s in slots.items() if kk == k and s["counted"]
                        and all(right("walk", r, j, i) for i in range(1, k))]
             path_acc.append(mean([right("walk", r, j, k) for r, j in reached]))
-        out["selector_path_acc"] = path_acc
-        out["al_selector"], out["al_oracle"] = al("walk"), al("oracle")
+        out["walk_slot_acc"] = path_acc
+        out["al_walk"], out["al_oracle"] = al("walk"), al("oracle")
         out["accept_selector"] = mean([np.minimum(p[s["C"]], softmax(s["s"] / t)).sum() for p, s in zip(p_at, every)])
         out["mass_at_k"] = mean([p[s["C"]].sum() for p, s in zip(p_at, every)])
     return out

@@ -15,6 +15,7 @@ import checkpoint
 import dflash2
 import regenerate
 from conftest import argmax_loop
+from target import target_features
 from dflash2 import DFlash2Config, DFlash2Drafter, DraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -211,14 +212,13 @@ def test_the_family_decodes_losslessly_and_trains(family):
     ids = torch.randint(0, V - 1, (2, 24), generator=g)
     attention, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
     dflash2.check_target_view(drafter.config, target, ids[:1])
-    states = target.base_model(input_ids=ids, attention_mask=attention, output_hidden_states=True).hidden_states
+    context, last = target_features(target, ids, attention, drafter.config.target_layer_ids)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
     for _ in range(4):  # one batch, four steps: the loss must fall
         anchors, valid = dflash2.sample_anchors(loss_mask, 4, generator=torch.Generator().manual_seed(3))
-        loss, _ = dflash2.dflash2_loss(drafter, target, ids, attention, loss_mask, states, anchors, valid,
-                                       with_metrics=False)
+        loss, _ = dflash2.dflash2_loss(drafter, target, ids, attention, loss_mask, context, last, anchors, valid)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -159,13 +159,14 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
     ones = torch.ones_like(ids)
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
+    context, last = dflash2.context_features(hidden, drafter.config.target_layer_ids), hidden[-1]
     anchors, valid = (x.to(device) for x in dflash2.sample_anchors(ones, 16, g))
 
     def run(amp, chunk):
         drafter.zero_grad(set_to_none=True)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-            loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, hidden, anchors, valid,
-                                           dflash2.LossConfig(chunk_size=chunk), with_metrics=False)
+            loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors, valid,
+                                           dflash2.LossConfig(chunk_size=chunk))
             h = torch.randn(3, c.hidden_size, device=device)
             cand = torch.randint(0, c.vocab_size, (3, 4), device=device)
             scores = drafter.candidate_selector.edge_scores(h, torch.randn(3, c.vocab_size, device=device),

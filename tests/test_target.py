@@ -420,13 +420,16 @@ def feature_target():
     return tiny_qwen3(vocab_size=50, num_layers=3), [0, 1]  # float64; features of layers 0 and 1 and the last
 
 
-def assert_served(states, model, layer_ids, seqs, what):
-    """The states TargetFeatures served for the batch of `seqs` are each row's own, computed alone."""
+def assert_served(served, model, layer_ids, seqs, what):
+    """The (context, last hidden state) TargetFeatures served for the batch of `seqs` are each row's
+    own: the model's Hugging Face hidden states of the row alone, at layer_ids (index l + 1) and the last."""
     for i, s in enumerate(seqs):
-        alone = target.hidden_states(model, torch.tensor([s]), torch.ones(1, len(s), dtype=torch.long))
-        for l in [l + 1 for l in layer_ids] + [len(alone) - 1]:
-            err = (states[l][i, :len(s)] - alone[l][0]).abs().max().item()
-            assert err < 1e-10, f"{what}: row {i}, hidden state {l} differs from the row's own by {err:.3g}"
+        with torch.no_grad():
+            alone = model(torch.tensor([s]), output_hidden_states=True).hidden_states
+        want = (torch.cat([alone[l + 1][0] for l in layer_ids], -1), alone[-1][0])
+        for name, got, ref in zip(("context", "last hidden state"), served, want):
+            err = (got[i, :len(s)] - ref).abs().max().item()
+            assert err < 1e-10, f"{what}: row {i}, the {name} differs from the row's own by {err:.3g}"
 
 
 @pytest.mark.parametrize("on_disk", [False, True], ids=["memory", "disk"])
@@ -435,17 +438,17 @@ def test_a_batch_mixing_cached_and_new_rows_is_served_and_cached_right(feature_t
     positions and padding: its features are each row's own, and c is cached by it, so a third
     batch of c and b needs no target pass."""
     model, layer_ids = feature_target
-    cache = target.TargetFeatures({"k": 1}, layer_ids, model.config.num_hidden_layers, tmp_path if on_disk else None)
+    cache = target.TargetFeatures({"k": 1}, layer_ids, tmp_path if on_disk else None)
     a, b, c = [3, 8, 1, 4, 4, 9, 2], [5, 6, 7, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20, 21]
     passes, forward = [], model.base_model.forward
     model.base_model.forward = lambda *x, **k: passes.append(1) or forward(*x, **k)
     try:
         for seqs, rows, want_passes in (([a, b], [0, 1], 1), ([b, c], [1, 2], 1), ([c, b], [2, 1], 0)):
             passes.clear()
-            states = cache.hidden_states(model, *right_padded(seqs), rows=rows)
+            served = cache.features(model, *right_padded(seqs), rows=rows)
             assert len(passes) == want_passes, f"rows {rows}: {len(passes)} target passes, expected {want_passes} " \
                                                "(one for a batch with a new row, none for a cached batch)"
-            assert_served(states, model, layer_ids, seqs, f"rows {rows}")
+            assert_served(served, model, layer_ids, seqs, f"rows {rows}")
     finally:
         del model.base_model.forward
 
@@ -462,12 +465,12 @@ def test_a_row_file_killed_mid_write_is_never_read_back(feature_target, tmp_path
             f.write(data[:len(data) // 2])
         raise KeyboardInterrupt
 
-    make = lambda: target.TargetFeatures({"k": 1}, layer_ids, model.config.num_hidden_layers, tmp_path)
+    make = lambda: target.TargetFeatures({"k": 1}, layer_ids, tmp_path)
     monkeypatch.setattr(safetensors.torch, "save_file", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
-        make().hidden_states(model, *right_padded(seqs), rows=[0, 1])
+        make().features(model, *right_padded(seqs), rows=[0, 1])
     assert not list(tmp_path.glob("row*.safetensors")), f"a torn row file is left: {sorted(tmp_path.iterdir())}"
     monkeypatch.setattr(safetensors.torch, "save_file", real)
-    assert_served(make().hidden_states(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "restarted")
-    assert_served(make().hidden_states(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "read back")
+    assert_served(make().features(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "restarted")
+    assert_served(make().features(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "read back")
     assert len(list(tmp_path.glob("row*.safetensors"))) == 2

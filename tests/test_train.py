@@ -128,11 +128,10 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
     data = write_jsonl(tmp_path / "six.jsonl", [{"messages": c} for c in convs])
     drawn, loss_step = [], train.loss_step
 
-    def recording(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw):  # the anchors drawn, by row
-        ids, attn, loss_mask = batch
-        anchors, valid = train.row_anchors(loss_mask, max_anchors, seeds)
+    def recording(drafter, target, inputs, *rest, **kw):  # the anchors drawn, by row
+        ids, attn, anchors, valid = inputs[0], inputs[1], inputs[-2], inputs[-1]
         drawn.extend((tuple(ids[r][attn[r].bool()].tolist()), anchors[r][valid[r]].tolist()) for r in range(len(ids)))
-        return loss_step(drafter, target, batch, cfg, max_anchors, seeds, *rest, **kw)
+        return loss_step(drafter, target, inputs, *rest, **kw)
 
     monkeypatch.setattr(train, "loss_step", recording)
     train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", "--batch-size", "5", data=data))
@@ -499,8 +498,8 @@ def step_inputs(world, rows=3):
 
 def step(drafter, target, batch, args, **kw):
     drafter.zero_grad(set_to_none=True)
-    loss, _ = train.loss_step(drafter, target, batch, train.loss_config(args), args.max_anchors, [1, 2, 3],
-                              with_metrics=False, **kw)
+    inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, args.max_anchors, [1, 2, 3], **kw)
+    loss, _ = train.loss_step(drafter, target, inputs, train.loss_config(args))
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
@@ -527,8 +526,7 @@ def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
     online = step(drafter, target, batch, args)
     key = {"target_weights": checkpoint.weights_fingerprint(target), "target_layer_ids": drafter.config.target_layer_ids,
            "dtype": "float32"}
-    make = lambda folder=None: train.TargetFeatures(key, drafter.config.target_layer_ids,
-                                                    target.config.num_hidden_layers, folder)
+    make = lambda folder=None: train.TargetFeatures(key, drafter.config.target_layer_ids, folder)
     calls, forward = [], target.base_model.forward
     target.base_model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     for cache in (make(), make(tmp_path / "features")):
@@ -544,17 +542,17 @@ def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
 
 
 def test_the_target_pass_gives_the_whole_models_hidden_states_and_never_runs_lm_head(world):
-    """target.hidden_states reads the decoder alone: the same L + 1 states as the whole model's
-    forward (the last after the final norm), and no logits at all."""
-    _, batch, target, _ = step_inputs(world)
-    ids, attn = batch[:2]
+    """target.target_features reads the decoder alone: the whole model's hidden states at the layer
+    ids (Hugging Face index l + 1) and its last (after the final norm), and no logits at all."""
+    _, batch, target, drafter = step_inputs(world)
+    ids, attn, layer_ids = *batch[:2], drafter.config.target_layer_ids
     want = target(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     heads, forward = [], target.lm_head.forward
     target.lm_head.forward = lambda *a, **k: heads.append(1) or forward(*a, **k)
-    got = train.hidden_states(target, ids, attn)
+    context, last = train.target_features(target, ids, attn, layer_ids)
     del target.lm_head.forward
-    assert len(got) == len(want) == target.config.num_hidden_layers + 1
-    assert all(torch.equal(g, w) for g, w in zip(got, want)), "a hidden state differs from the whole model's"
+    assert torch.equal(context, torch.cat([want[l + 1] for l in layer_ids], -1)), "the context differs"
+    assert torch.equal(last, want[-1]), "the last hidden state differs from the whole model's"
     assert not heads, "the target pass ran lm_head"
 
 
@@ -562,15 +560,15 @@ def test_a_cache_of_another_target_or_other_rows_is_refused(world, tmp_path):
     args, batch, target, drafter = step_inputs(world)
     ids = drafter.config.target_layer_ids
     key = {"target_weights": [1.0, 2.0], "target_layer_ids": ids, "dtype": "float32"}
-    cache = train.TargetFeatures(key, ids, target.config.num_hidden_layers, tmp_path)
-    cache.hidden_states(target, *batch[:2], rows=[0, 1, 2])
+    cache = train.TargetFeatures(key, ids, tmp_path)
+    cache.features(target, *batch[:2], rows=[0, 1, 2])
     with pytest.raises(ValueError, match=r"holds the features of .*'dtype': 'float32'.*, not of this run's .*bfloat16"):
-        train.TargetFeatures({**key, "dtype": "bfloat16"}, ids, target.config.num_hidden_layers, tmp_path)
+        train.TargetFeatures({**key, "dtype": "bfloat16"}, ids, tmp_path)
     for folder in (tmp_path, None):
-        cache = train.TargetFeatures(key, ids, target.config.num_hidden_layers, folder)
-        cache.hidden_states(target, *batch[:2], rows=[0, 1, 2])
+        cache = train.TargetFeatures(key, ids, folder)
+        cache.features(target, *batch[:2], rows=[0, 1, 2])
         with pytest.raises(ValueError, match="training row 2 holds other tokens than the ones its cached features"):
-            cache.hidden_states(target, *batch[:2], rows=[0, 2, 1])
+            cache.features(target, *batch[:2], rows=[0, 2, 1])
 
 
 def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path):
