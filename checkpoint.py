@@ -462,7 +462,7 @@ def rewind_record(out_dir, step):
 
 
 def plot_curves(out_dir):
-    """OUT/curves.png from the record: loss, expected AL (unary / selector / oracle) and the
+    """OUT/curves.png from the record: loss, expected AL (unary / walk / oracle) and the
     per-slot accuracy of each evaluation, against steps."""
     import matplotlib
     matplotlib.use("Agg")

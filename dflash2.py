@@ -1,42 +1,36 @@
 """
-DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the
-two DFlash2 additions — a grouped dynamic local convolution and a low-rank candidate
-selector — plus its training objective and lossless speculative decoding. It imports nothing
-from the repository; checkpoint.py imports it and owns the export engines load (§7).
+DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the two DFlash2
+additions, a grouped dynamic local convolution and a low-rank candidate selector, plus its training
+objective and lossless speculative decoding. It imports nothing from the repository; checkpoint.py
+imports it and owns the export engines load (§7). References: DFlash (arXiv 2602.06036); "DFlash 2:
+Keep Drafting Parallel" (Inco AI, Aug 2026); the z-lab `dflash` package (inference reference).
+ALGORITHM.md pins every formula down; the section numbers below (§n) point into it.
 
-References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI,
-Aug 2026); the z-lab `dflash` package (inference reference). ALGORITHM.md in this
-repository pins every formula down; section numbers below (§n) point into it.
-
-How a DFlash2 drafter works. Given the last verified token (the anchor) at position a, the
-drafter reads the block [anchor, MASK, ..., MASK] (B tokens at positions a..a+B-1) and in
-one forward pass predicts the tokens at a+1..a+B-1 (slot k predicts position a+k, no
-shift). It has no embedding or LM head of its own: it borrows the frozen target's. It
-conditions on the target through context features (a few target layers' hidden states,
-concatenated and projected), injected as extra keys/values in every draft layer.
+From the last verified token (the anchor) at a, the drafter reads the block [anchor, MASK, ..., MASK] at
+a..a+B-1 and predicts a+1..a+B-1 in one pass (slot k predicts position a+k, no shift), with the frozen
+target's embedding and LM head, and the target's context features (a few of its layers' hidden states,
+concatenated and projected) injected as extra keys/values in every draft layer.
 
 Notable departures from a textbook decoder:
   - attention inside a block is bidirectional; the context is never run through the MLP;
-  - a training sequence packs many blocks after its context; a block sees context
-    strictly before its anchor (the anchor's own target state does not exist yet when
-    drafting), its own block, and nothing else;
+  - a training sequence packs many blocks after its context; a block sees context strictly before its
+    anchor (the anchor's own target state does not exist yet when drafting), its own block, nothing else;
   - the local convolution's taps never cross a block start;
-  - proposals come from a walk over the top-K candidates of each slot, scored with the
-    predecessor the walk actually chose, and verification uses that walk's q.
-The target's RoPE type, its embedding and logit transforms (Gemma, Granite) and sliding-window
-draft layers follow §1. Not implemented (refused by name): dynamic RoPE past the target's
-context, causal draft layers, pruned draft vocabularies (DFlash2 needs the full vocabulary).
+  - proposals come from a walk over the top-K candidates of each slot, scored with the predecessor the
+    walk actually chose, and verification uses that walk's q.
+The target's RoPE type, its embedding and logit transforms (Gemma, Granite) and sliding-window draft
+layers follow §1. Not implemented (refused by name): dynamic RoPE past the target's context, causal
+draft layers, pruned draft vocabularies (DFlash2 needs the full vocabulary).
 
-Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context
-length, N blocks per row (1 at inference), B block size, H hidden, V vocab, K candidates,
-R selector rank, Kc conv taps, G channels per conv group, nh/nkv query/key-value heads,
-hd head dim, nf target feature layers, M blocks walked at once, T temperature (only).
+Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context length, N blocks
+per row (1 at inference), B block size, H hidden, V vocab, K candidates, R selector rank, Kc conv taps,
+G channels per conv group, nh/nkv query/key-value heads, hd head dim, nf target feature layers, M blocks
+walked at once, T temperature (only).
 """
+import functools
 import math
 import time
-import dataclasses
-import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn as nn
@@ -45,8 +39,6 @@ import torch.utils.checkpoint
 
 # -----------------------------------------------------------------------------
 # config
-
-
 @dataclass
 class DFlash2Config:
     hidden_size: int
@@ -66,9 +58,8 @@ class DFlash2Config:
     conv_kernel_size: int = 2      # 0 turns the local convolution off
     conv_group_size: int = 16
     selector_rank: int = 256
-    selector_top_k: int = 16       # 0 turns the candidate selector off
+    selector_top_k: int = 16       # 0 turns the candidate selector off (both off: plain DFlash, v1)
     selector_codebooks: str = "free"  # or "factored": A = E·W_A, Bc = E·W_B from the target's embedding E (§3)
-    # conv and selector both off = plain DFlash (v1)
     rope_scaling: dict | None = None      # the target's RoPE type and its parameters but rope_theta; None: plain (§1)
     input_embedding_scale: float = 1.0    # the target's view of its tables (§1): block embeddings = rows × this,
     output_multiplier: float = 1.0        # logits = lm_head(h) × this,
@@ -83,115 +74,98 @@ class DFlash2Config:
 
     @classmethod
     def from_target(cls, target_config, **overrides):
-        """Drafter shape from a transformers target config (drafter width = target width), with the
-        target's RoPE and the transforms its forward applies to its tables (target_view)."""
+        """The drafter of a transformers target config: its width, RoPE (target_rope) and tables (target_view)."""
+        require("mask_token_id" in overrides,
+                "from_target needs mask_token_id: an existing but unused token id of the target")
         tc = target_config.get_text_config()
-        L = tc.num_hidden_layers
-        if "mask_token_id" not in overrides:
-            raise ValueError("from_target needs mask_token_id: an existing but unused token id of the target")
-        n_heads = tc.num_attention_heads
-        shape = dict(
-            hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
-            num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
-            head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
-            num_target_layers=L, target_layer_ids=default_target_layer_ids(L),
-            rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
-            **target_rope(tc), **target_view(tc))
+        L, n_heads = tc.num_hidden_layers, tc.num_attention_heads
+        shape = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
+                     num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
+                     head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
+                     num_target_layers=L, target_layer_ids=default_target_layer_ids(L),
+                     rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+                     **target_rope(tc), **target_view(tc))
         return cls(**{**shape, **known_fields(overrides)})
+
     @property
     def is_dflash2(self):
         return bool(self.conv_kernel_size or self.selector_top_k)
 
-
-def check_config(c):
-    """Refuse a shape the drafter cannot be built with, in one sentence naming the field."""
-    for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
-                 "num_target_layers", "num_layers"):
-        if getattr(c, name) < 1:
-            raise ValueError(f"{name} ({getattr(c, name)}) must be >= 1")
-    L, ids = c.num_target_layers, c.target_layer_ids
-    rules = (
-        (c.rope_theta > 0 and c.rms_norm_eps >= 0,
-         f"rope_theta ({c.rope_theta}) must be > 0 and rms_norm_eps ({c.rms_norm_eps}) >= 0"),
-        (c.num_heads % c.num_kv_heads == 0,
-         f"num_heads ({c.num_heads}) must be divisible by num_kv_heads ({c.num_kv_heads})"),
-        (c.head_dim % 2 == 0, f"head_dim ({c.head_dim}) must be even for rotary embeddings"),
-        (c.block_size >= 2, f"block_size ({c.block_size}) must be >= 2 (an anchor plus at least one draft slot)"),
-        (0 <= c.mask_token_id < c.vocab_size,
-         f"mask_token_id ({c.mask_token_id}) must be a token of the target vocabulary [0, {c.vocab_size})"),
-        (c.selector_codebooks in ("free", "factored"),
-         f"selector_codebooks ({c.selector_codebooks!r}) must be 'free' or 'factored'"),
-        (c.input_embedding_scale > 0 and c.output_multiplier > 0 and (c.final_logit_softcapping or 1) > 0,
-         f"input_embedding_scale ({c.input_embedding_scale}), output_multiplier ({c.output_multiplier}) and "
-         f"final_logit_softcapping ({c.final_logit_softcapping}) must be > 0 (softcapping: or None)"),
-        (ids, "target_layer_ids is empty: the drafter needs at least one target layer"),
-        (all(0 <= l < L for l in ids),
-         f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})"),
-        (len(set(ids)) == len(ids), f"target_layer_ids {ids} has duplicates: each layer is one feature"),
-        (L - 1 not in ids, f"target_layer_ids {ids} holds the target's last layer {L - 1}: Hugging Face returns it "
-         "after the final norm, and serving engines, which capture each layer's input, never see it; use layers "
-         f"below {L - 1}"),
-    )
-    kind = (c.rope_scaling or {}).get("rope_type", "default")
-    missing = [k for k in ROPE_KEYS.get(kind, ()) if (c.rope_scaling or {}).get(k) is None]
-    rules += ((kind in ROPE_KEYS, f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})"),
-              (not missing, f"rope_type {kind!r} needs {missing} in rope_scaling"))
-    if kind == "longrope":
-        rules += tuple((len(c.rope_scaling[k]) == c.head_dim // 2,
-                        f"longrope {k} has {len(c.rope_scaling[k])} entries, expected head_dim / 2 = {c.head_dim // 2}")
-                       for k in ("short_factor", "long_factor"))
-    if c.layer_types is not None:
-        rules += ((len(c.layer_types) == c.num_layers,
-                   f"layer_types has {len(c.layer_types)} entries for num_layers = {c.num_layers}"),
-                  (set(c.layer_types) <= {"full_attention", "sliding_attention"},
-                   f"layer_types {sorted(set(c.layer_types))} may only hold 'full_attention' and 'sliding_attention'"))
-    if "sliding_attention" in (c.layer_types or ()):
-        rules += ((isinstance(c.sliding_window, int) and c.sliding_window >= 1,
-                   f"sliding_window ({c.sliding_window!r}) must be an integer >= 1 for sliding_attention layers"),)
-    if c.conv_kernel_size:
-        rules += (
-            (1 <= c.conv_kernel_size <= c.block_size,
-             f"conv_kernel_size ({c.conv_kernel_size}) must be in [1, block_size={c.block_size}], or 0 to disable"),
-            (c.conv_group_size >= 1 and c.hidden_size % c.conv_group_size == 0,
-             f"hidden_size ({c.hidden_size}) must be divisible by conv_group_size ({c.conv_group_size})"))
-    if c.selector_top_k:
-        rules += (
-            (1 <= c.selector_top_k <= c.vocab_size,
-             f"selector_top_k ({c.selector_top_k}) must be in [1, vocab_size={c.vocab_size}], or 0 to disable"),
-            (c.selector_rank >= 1, f"selector_rank ({c.selector_rank}) must be >= 1 when the selector is on"))
-    for ok, sentence in rules:
-        if not ok:
-            raise ValueError(sentence)
-
-
-def known_fields(overrides):
-    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(DFlash2Config)})
-    if unknown:
-        raise ValueError(f"unknown DFlash2Config fields {unknown}")
-    return overrides
-
-
-def default_target_layer_ids(num_target_layers, num_features=5):
-    """§1: nf == 1 -> [Lt // 2] (below the last layer), else round(1 + i*(Lt-4)/(nf-1)). Here
-    nf = min(5, Lt-3) so that small targets still get distinct layers (36 layers -> [1, 9, 17, 25, 33])."""
-    L = num_target_layers
-    n = max(1, min(num_features, L - 3))
-    if n == 1:
-        return [max(0, min(L // 2, L - 2))]  # never the last layer (check_config says why)
-    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
-
+def require(ok, sentence):  # refuse early, with a sentence a user can act on (the field, its value, the rule)
+    if not ok:
+        raise ValueError(sentence)
 
 ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),  # rope_type -> what it reads
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("original_max_position_embeddings",),
              "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
 
+def check_config(c):
+    """Refuse a shape the drafter cannot be built with, in one sentence naming the field."""
+    for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size",
+                 "num_target_layers", "num_layers"):
+        require(getattr(c, name) >= 1, f"{name} ({getattr(c, name)}) must be >= 1")
+    require(c.rope_theta > 0 and c.rms_norm_eps >= 0,
+            f"rope_theta ({c.rope_theta}) must be > 0 and rms_norm_eps ({c.rms_norm_eps}) >= 0")
+    require(c.num_heads % c.num_kv_heads == 0,
+            f"num_heads ({c.num_heads}) must be divisible by num_kv_heads ({c.num_kv_heads})")
+    require(c.head_dim % 2 == 0, f"head_dim ({c.head_dim}) must be even for rotary embeddings")
+    require(c.block_size >= 2, f"block_size ({c.block_size}) must be >= 2 (an anchor plus at least one draft slot)")
+    require(0 <= c.mask_token_id < c.vocab_size,
+            f"mask_token_id ({c.mask_token_id}) must be a token of the target vocabulary [0, {c.vocab_size})")
+    require(c.selector_codebooks in ("free", "factored"),
+            f"selector_codebooks ({c.selector_codebooks!r}) must be 'free' or 'factored'")
+    require(c.input_embedding_scale > 0 and c.output_multiplier > 0 and (c.final_logit_softcapping or 1) > 0,
+            f"input_embedding_scale ({c.input_embedding_scale}), output_multiplier ({c.output_multiplier}) and "
+            f"final_logit_softcapping ({c.final_logit_softcapping}) must be > 0 (softcapping: or None)")
+    L, ids, rope = c.num_target_layers, c.target_layer_ids, c.rope_scaling or {}
+    require(ids, "target_layer_ids is empty: the drafter needs at least one target layer")
+    require(all(0 <= l < L for l in ids),
+            f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})")
+    require(len(set(ids)) == len(ids), f"target_layer_ids {ids} has duplicates: each layer is one feature")
+    require(L - 1 not in ids, f"target_layer_ids {ids} holds the target's last layer {L - 1}: Hugging Face returns "
+            "it after the final norm, and serving engines, which capture each layer's input, never see it; use "
+            f"layers below {L - 1}")
+    kind = rope.get("rope_type", "default")
+    require(kind in ROPE_KEYS, f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
+    missing = [k for k in ROPE_KEYS[kind] if rope.get(k) is None]
+    require(not missing, f"rope_type {kind!r} needs {missing} in rope_scaling")
+    for k in ("short_factor", "long_factor") if kind == "longrope" else ():
+        require(len(rope[k]) == c.head_dim // 2,
+                f"longrope {k} has {len(rope[k])} entries, expected head_dim / 2 = {c.head_dim // 2}")
+    if c.layer_types is not None:
+        require(len(c.layer_types) == c.num_layers,
+                f"layer_types has {len(c.layer_types)} entries for num_layers = {c.num_layers}")
+        require(set(c.layer_types) <= {"full_attention", "sliding_attention"},
+                f"layer_types {sorted(set(c.layer_types))} may only hold 'full_attention' and 'sliding_attention'")
+    if "sliding_attention" in (c.layer_types or ()):
+        require(isinstance(c.sliding_window, int) and c.sliding_window >= 1,
+                f"sliding_window ({c.sliding_window!r}) must be an integer >= 1 for sliding_attention layers")
+    if c.conv_kernel_size:
+        require(1 <= c.conv_kernel_size <= c.block_size,
+                f"conv_kernel_size ({c.conv_kernel_size}) must be in [1, block_size={c.block_size}], or 0 to disable")
+        require(c.conv_group_size >= 1 and c.hidden_size % c.conv_group_size == 0,
+                f"hidden_size ({c.hidden_size}) must be divisible by conv_group_size ({c.conv_group_size})")
+    if c.selector_top_k:
+        require(1 <= c.selector_top_k <= c.vocab_size,
+                f"selector_top_k ({c.selector_top_k}) must be in [1, vocab_size={c.vocab_size}], or 0 to disable")
+        require(c.selector_rank >= 1, f"selector_rank ({c.selector_rank}) must be >= 1 when the selector is on")
+
+def known_fields(overrides):
+    unknown = sorted(set(overrides) - {f.name for f in fields(DFlash2Config)})
+    require(not unknown, f"unknown DFlash2Config fields {unknown}")
+    return overrides
+
+def default_target_layer_ids(num_target_layers, num_features=5):
+    """§1: nf = max(1, min(5, Lt-3)) distinct layers, round(1 + i*(Lt-4)/(nf-1)) (36 -> [1, 9, 17, 25, 33])."""
+    L, n = num_target_layers, max(1, min(num_features, num_target_layers - 3))
+    if n == 1:
+        return [max(0, min(L // 2, L - 2))]  # never the last layer (check_config says why)
+    return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
 def target_rope(tc):
-    """The target's rope_parameters as DFlash2Config fields: rope_theta and rope_scaling (the rest,
-    None for plain RoPE). Gemma-3 keeps one set per layer type: the drafter takes its full-attention
-    layers'. The drafter rotates its whole head: a target's partial_rotary_factor is its own business,
-    except under longrope, whose factors cover the rotated part only."""
+    """The target's rope_parameters as DFlash2Config's rope_theta and rope_scaling (None: plain RoPE), §1:
+    Gemma-3's full-attention set; partial_rotary_factor ignored (whole heads rotate) but under longrope."""
     rope = dict(getattr(tc, "rope_parameters", None) or {})
     rope = dict(rope.get("full_attention", rope))
     partial = rope.pop("partial_rotary_factor", None) or getattr(tc, "partial_rotary_factor", None) or 1.0
@@ -204,88 +178,73 @@ def target_rope(tc):
         rope.setdefault("original_max_position_embeddings", tc.original_max_position_embeddings)
     return dict(rope_theta=theta, rope_scaling=None if kind == "default" else {**rope, "rope_type": kind})
 
-
 def target_view(tc):
-    """What the target's forward does to its tables, as DFlash2Config fields: Gemma scales the
-    embedding rows by √H (inside its embedding module) and Gemma-2 soft-caps the logits; Granite
-    multiplies the embeddings by embedding_multiplier and divides the logits by logits_scaling.
-    A family that does anything else is caught by check_target_view, not followed silently."""
+    """What the target's forward does to its tables (§1; Gemma's √H and soft-cap, Granite's multipliers), as
+    DFlash2Config fields. A family that does anything else is caught by target.check_target_view."""
     gemma = tc.model_type.startswith(("gemma", "recurrent_gemma"))
     return dict(input_embedding_scale=tc.hidden_size ** 0.5 if gemma else getattr(tc, "embedding_multiplier", 1.0),
                 output_multiplier=1.0 / getattr(tc, "logits_scaling", 1.0),
                 final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None)
 
-
 # -----------------------------------------------------------------------------
 # small pure helpers
-
-
 def context_features(hidden_states, layer_ids):
     """cat(h_l for l in layer_ids); layer id l is HF hidden_states[l + 1] (index 0 = embeddings)."""
     return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, nf·H)
-
 
 def check_target_shape(c, num_target_layers, hidden_size, vocab_size):
     """A drafter only fits the target it was built for: same layer count, width and vocabulary."""
     for name, value in (("num_target_layers", num_target_layers), ("hidden_size", hidden_size),
                         ("vocab_size", vocab_size)):
-        if getattr(c, name) != value:
-            raise ValueError(f"the drafter has {name} {getattr(c, name)} but the target has {value}: "
-                             "a drafter only fits the target it was trained for")
-
+        require(getattr(c, name) == value, f"the drafter has {name} {getattr(c, name)} but the target has {value}: "
+                "a drafter only fits the target it was trained for")
 
 def check_target(c, target):
-    """check_target_shape on the loaded target, and a mask token inside its embedding table.
-    -> (embedding, lm_head), borrowed."""
+    """check_target_shape on the loaded target, and a mask token inside its embedding table. -> (embedding, lm_head)."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     check_target_shape(c, target.config.num_hidden_layers, embed.weight.shape[1], lm_head.weight.shape[0])
-    if not c.mask_token_id < embed.weight.shape[0]:
-        raise ValueError(f"mask_token_id {c.mask_token_id} is outside the target's embedding table "
-                         f"[0, {embed.weight.shape[0]})")
+    require(c.mask_token_id < embed.weight.shape[0],
+            f"mask_token_id {c.mask_token_id} is outside the target's embedding table [0, {embed.weight.shape[0]})")
     return embed, lm_head
 
-
 def embed_tokens(c, embedding, ids):
-    """The target's view of token ids (§1): its raw embedding rows × input_embedding_scale, as engines
-    compute the drafter's block (a scaled embedding module's own forward is not used)."""
-    return F.embedding(ids, embedding.weight) * c.input_embedding_scale if c.input_embedding_scale != 1 else (
-        F.embedding(ids, embedding.weight))
-
+    """§1: the raw embedding rows × input_embedding_scale, as engines embed the block (not the module's forward)."""
+    x = F.embedding(ids, embedding.weight)
+    return x * c.input_embedding_scale if c.input_embedding_scale != 1 else x
 
 def target_logits(c, lm_head, x):
-    """The target's logits from final hidden states x (§1): lm_head(x) at least in fp32 (head_logits),
-    × output_multiplier, soft-capped at final_logit_softcapping."""
-    y = head_logits(lm_head, x)
+    """§1: lm_head(x) of final hidden states, at least fp32, × output_multiplier, soft-capped at the cap."""
+    y = lm_head(x.to(lm_head.weight.dtype))
+    y = y.to(torch.promote_types(y.dtype, torch.float32))
     y = y * c.output_multiplier if c.output_multiplier != 1 else y
     cap = c.final_logit_softcapping
     return torch.tanh(y / cap) * cap if cap else y
 
+def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
+    """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the
+    target's p, and the q of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if top_k:
+        kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    p = torch.softmax(x, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = p.sort(dim=-1, descending=True, stable=True)  # ties: lower id first, on every device
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
+        p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)  # back to vocab order
+        p = p / p.sum(-1, keepdim=True)
+    return p
 
-@torch.no_grad()
-def check_target_view(c, target, ids):
-    """The drafter's view of the target against the target's own forward on ids (1, n): embed_tokens
-    must give its hidden_states[0] and target_logits of its last hidden state its logits. A family
-    whose forward does anything else to its tables is refused by name, before any training."""
-    embed, lm_head = check_target(c, target)
-    out = target(ids, output_hidden_states=True)
-    tolerance = 1e-4 if embed.weight.dtype in (torch.float32, torch.float64) else 3e-2
-    for what, ours, theirs in (("embeddings (hidden_states[0])", embed_tokens(c, embed, ids), out.hidden_states[0]),
-                               ("logits", target_logits(c, lm_head, out.hidden_states[-1]), out.logits)):
-        ours, theirs = ours.double(), theirs.double()
-        error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
-        if not error <= tolerance:
-            raise ValueError(f"the {target.config.model_type!r} target's {what} differ from what the drafter computes "
-                             f"from its tables (relative difference {error:.2g}): its forward transforms them in a way "
-                             "this implementation does not follow (it knows embedding scales, logit multipliers and "
-                             "final-logit soft-capping)")
-
+def check_sampling(temperature, top_p, top_k):
+    """A request's setting: T finite, >= 0 (0: greedy); top_p in (0, 1], integer top_k >= 0 (1 and 0: no filter)."""
+    require(temperature >= 0 and not math.isinf(temperature),  # NaN fails `>= 0`
+            f"temperature ({temperature}) must be a finite number >= 0")
+    require(0 < top_p <= 1, f"top_p ({top_p}) must be in (0, 1]")
+    require(isinstance(top_k, int) and top_k >= 0, f"top_k ({top_k!r}) must be an integer >= 0")
 
 def rope_frequencies(c, seq_len=None):
-    """§1: the drafter's RoPE, of the target's type, as Hugging Face computes it -> (inverse
-    frequencies (hd/2,) fp32, the scale of cos / sin). seq_len bounds the forward's positions:
-    longrope switches to its long factors past the original context, and dynamic NTK, whose
-    frequencies past max_position_embeddings depend on the longest sequence a model has read, is
-    plain RoPE inside it and refused beyond."""
+    """§1: the drafter's RoPE, of the target's type, as Hugging Face computes it -> (inverse frequencies (hd/2,)
+    fp32, cos / sin scale). seq_len bounds the positions: longrope's long factors past L₀, dynamic refused past."""
     p, d, base = c.rope_scaling or {"rope_type": "default"}, c.head_dim, c.rope_theta
     kind, exponent = p["rope_type"], torch.arange(0, d, 2, dtype=torch.float) / d
     inv, scale = 1.0 / (base ** exponent), 1.0
@@ -326,46 +285,34 @@ def rope_frequencies(c, seq_len=None):
             inv = 1.0 / (factor * base ** exponent) * (1 - keep) + 1.0 / (base ** exponent) * keep
     return inv, scale
 
-
 def rope_cos_sin(positions, inv_freq, scale, dtype):
     """Rotary tables for integer positions (b, n) -> (b, n, hd), half-table repeated as in Qwen3."""
     freqs = positions[..., None].float() * inv_freq.to(positions.device)
     emb = torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
-
 def apply_rope(x, cos, sin):
     """x (b, heads, N·B, hd); cos/sin (b, N·B, hd). Rotate-half convention of HF Llama/Qwen."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos[:, None] + torch.cat((-x2, x1), dim=-1) * sin[:, None]
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
-
 # -----------------------------------------------------------------------------
 # drafter pieces: attention with context injection, local convolution, decoder layer
-
-
 class DraftCache:
-    """Context-only K/V cache of the drafter, one (k, v) pair per layer.
-
-    Only committed context ever enters it: block keys/values are used within a draft pass
-    and dropped, so after each pass the cache is already at the committed length and the
-    next pass only appends the context features of the newly committed tokens."""
-
+    """The drafter's K/V cache, one (k, v) per layer, of committed context only (§5): block keys/values live
+    for one draft pass, so the next pass only appends the context of the newly committed tokens."""
     def __init__(self, num_layers):
-        self.kv = [None] * num_layers
-        self.length = 0
+        self.kv, self.length = [None] * num_layers, 0  # length: context positions held
 
     def extend(self, layer_idx, k, v, keep=None):
         """Append the new context's k, v (b, nkv, n, hd); keep: hold only the last `keep` positions
@@ -378,14 +325,11 @@ class DraftCache:
         self.kv[layer_idx] = (k, v)
         return k, v
 
-
 def window_mask(query_pos, key_pos, window, mask=None):
-    """A sliding layer's view (§1): query position p sees key position k iff |p − k| < W, counted from
-    each query as the inference reference does (the block is never causal). query_pos (b, n), key_pos
-    (b, m) -> (b, 1, n, m) bool, and-ed with mask (b, 1, n, m) when given."""
+    """A sliding layer's view (§1): position p sees key position k iff |p − k| < W (from each query, as the
+    inference reference; never causal). query_pos (b, n), key_pos (b, m) -> (b, 1, n, m) bool, and mask."""
     near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < window
     return near[:, None] if mask is None else mask & near[:, None]
-
 
 def cached_positions(cache, num_new, window, block_pos):
     """A sliding layer's key positions in a cached pass: the last W − 1 positions of the context once
@@ -394,10 +338,8 @@ def cached_positions(cache, num_new, window, block_pos):
     ctx = torch.arange(max(0, total - (window - 1)), total, device=block_pos.device)
     return torch.cat([ctx.expand(block_pos.shape[0], -1), block_pos], 1)
 
-
 class Attention(nn.Module):
     """Queries from the block only; keys/values = [proj(ctx) ; proj(block)] (KV injection)."""
-
     def __init__(self, c, layer_idx):
         super().__init__()
         self.c = c
@@ -430,7 +372,6 @@ class Attention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, N·B, hd)
         return self.o_proj(y.transpose(1, 2).flatten(2))
 
-
 class MLP(nn.Module):
     def __init__(self, c):
         super().__init__()
@@ -441,17 +382,12 @@ class MLP(nn.Module):
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
-
 def local_conv(x, delta, base, block_size):
-    """Grouped dynamic causal convolution along each block (§2).
-
-        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],   g(c) = c // G
-        x[i − τ] := 0 when (i mod B) < τ
-
-    x (b, N·B, H) laid out block by block (or one block of at most B tokens);
-    delta (b, N·B, Kc, H/G) computed at the output position; base (Kc, H).
-    Training packs blocks back to back, so a tap that reaches across a block start would
-    read the previous block's tokens: those taps are zeroed, not just padded at the row's start."""
+    """Grouped dynamic causal convolution along each block (§2):
+        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],  g(c) = c // G,  x[i − τ] := 0 if (i mod B) < τ
+    x (b, N·B, H) block by block (or one block of at most B tokens); delta (b, N·B, Kc, H/G), computed
+    at the output position; base (Kc, H). Packed blocks sit back to back, so a tap reaching across a
+    block start would read the previous block: those taps are zeroed, not only the row's first."""
     length, H = x.shape[1], x.shape[2]
     Kc, G = base.shape[0], H // delta.shape[-1]
     pos_in_block = torch.arange(length, device=x.device) % block_size
@@ -463,12 +399,9 @@ def local_conv(x, delta, base, block_size):
         out = out + coef * shifted
     return out
 
-
 class LocalConv(nn.Module):
-    """Both sides of the convolution around one sublayer: `prepare` convolves the
-    sublayer's normalised input and returns the output side's dynamic kernel, `finish`
-    convolves the sublayer's output with it. Both sides' δ come from the input u."""
-
+    """Both sides of the convolution around one sublayer (§2): `prepare` convolves its normalised input u
+    and returns the output side's δ, `finish` convolves its output with it (both δ come from u)."""
     def __init__(self, c):
         super().__init__()
         self.block_size, self.taps, self.groups = c.block_size, c.conv_kernel_size, c.hidden_size // c.conv_group_size
@@ -481,7 +414,6 @@ class LocalConv(nn.Module):
 
     def finish(self, y, delta_out):
         return local_conv(y, delta_out, self.base_kernel[1], self.block_size)
-
 
 class DecoderLayer(nn.Module):
     def __init__(self, c, layer_idx):
@@ -506,11 +438,8 @@ class DecoderLayer(nn.Module):
         y = self.mlp(u)
         return h + (self.mlp_conv.finish(y, delta) if conv else y)
 
-
 # -----------------------------------------------------------------------------
 # candidate selector (§3)
-
-
 class CandidateSelector(nn.Module):
     """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
     A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the
@@ -528,11 +457,10 @@ class CandidateSelector(nn.Module):
             self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
 
     def edge_scores(self, h, unary, prev, cand, embedding=None):
-        """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32;
-        embedding: the target's input embedding, which factored codebooks read.
-        Scores stay in fp32 even inside autocast: in bf16 about 1% of the argmaxes flip."""
-        if self.factored and embedding is None:
-            raise ValueError("a selector with factored codebooks needs the target's input embedding (embedding=)")
+        """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32 (even under
+        autocast: in bf16 about 1% of the argmaxes flip); embedding: the target's, for factored codebooks."""
+        require(not self.factored or embedding is not None,
+                "a selector with factored codebooks needs the target's input embedding (embedding=)")
         with torch.autocast(h.device.type, enabled=False):
             P = F.linear(h.float(), self.hidden_projection.weight.float())  # (..., R)
             if self.factored:
@@ -545,12 +473,9 @@ class CandidateSelector(nn.Module):
             return unary.float().gather(-1, cand) + pairwise
 
     def walk(self, h, unary, anchor, temperature=0.0, generator=None, embedding=None):
-        """Walk the slots from the verified anchor, feeding each choice forward (§3).
-
-        h (M, B-1, H), unary (M, B-1, V), anchor (M,) -> path (M, B-1), cand (M, B-1, K),
-        q (M, B-1, K) fp32: at T > 0 the law each choice was sampled from, conditional on
-        the predecessor the walk actually picked (any other q makes verification lossy);
-        at T = 0 one-hot on the argmax (lowest index on ties)."""
+        """The walk from the verified anchor (§3): h (M, B-1, H), unary (M, B-1, V), anchor (M,) -> path
+        (M, B-1), cand (M, B-1, K), q (M, B-1, K) fp32: each pick's law given the predecessor the walk picked
+        (any other q makes verification lossy); at T = 0 one-hot on the argmax (lowest index on ties)."""
         cand = unary.topk(self.top_k, dim=-1).indices            # (M, B-1, K)
         prev, path, qs = anchor, [], []
         for j in range(cand.shape[1]):
@@ -566,19 +491,12 @@ class CandidateSelector(nn.Module):
             qs.append(q)
         return torch.stack(path, 1), cand, torch.stack(qs, 1)
 
-
 # -----------------------------------------------------------------------------
 # the drafter
-
-
 @torch.no_grad()
 def init_weights(drafter):
-    """Two passes, so the result does not depend on the order modules are visited in:
-    first every linear N(0, 0.02) and every RMSNorm weight 1, then the DFlash2 parts.
-    Identity convolution (tap 0 = 1, other taps and the dynamic part 0): a fresh DFlash2
-    layer computes exactly what the DFlash layer with the same weights computes.
-    Successor codebook 0 (factored: W_B = 0): a fresh selector's scores are the unary logits
-    exactly, so a fresh DFlash2 drafter proposes what DFlash proposes (and DFlash warm-starts cleanly)."""
+    """Linears N(0, 0.02), RMSNorms 1; then (the visiting order is moot) the identity convolution (§2) and a zero
+    successor codebook or W_B (§3): a fresh DFlash2 drafter computes what DFlash with its weights does."""
     for m in drafter.modules():
         if isinstance(m, nn.Linear):
             nn.init.normal_(m.weight, std=0.02)
@@ -595,11 +513,8 @@ def init_weights(drafter):
             nn.init.normal_(m.predecessor_codebook, std=0.02)
             m.successor_codebook.zero_()
 
-
 class DFlash2Drafter(nn.Module):
-    """Parameter names follow §7, so export is a plain state_dict (factored codebooks: materialized
-    by checkpoint.py). The target's embedding and lm_head are passed in by the caller, never owned."""
-
+    """Parameter names follow §7 (export: the state_dict, factored tables materialized); the target's are passed in."""
     def __init__(self, config):
         super().__init__()
         c = self.config = config
@@ -612,40 +527,32 @@ class DFlash2Drafter(nn.Module):
         init_weights(self)
 
     def forward(self, block_embeds, block_pos, ctx_features, ctx_pos, mask=None, cache=None):
-        """block_embeds (b, N·B, H) target embeddings of the block tokens at positions
-        block_pos (b, N·B); ctx_features (b, S, nf·H) raw target features at ctx_pos (b, S);
-        mask (b, 1, N·B, S + N·B) bool (True = may attend) or None (= see everything).
-        With a cache, ctx_features are only the new context. Returns (b, N·B, H), normalized."""
+        """block_embeds (b, N·B, H) the block tokens' target embeddings at block_pos (b, N·B); ctx_features
+        (b, S, nf·H) raw target features at ctx_pos (b, S), only the new context with a cache; mask
+        (b, 1, N·B, S + N·B) bool (True = may attend) or None (= see everything). -> (b, N·B, H), normalized."""
         c = self.config
         ctx = self.hidden_norm(self.fc(ctx_features))  # computed once, shared by every layer
         positions = torch.cat([ctx_pos, block_pos], 1)
         longest = int(positions.max()) + 1 if (c.rope_scaling or {}).get("rope_type") in ("longrope", "dynamic") else None
         inv_freq, scale = rope_frequencies(c, longest)
-        block_rope = rope_cos_sin(block_pos, inv_freq, scale, block_embeds.dtype)
-        ctx_rope = rope_cos_sin(ctx_pos, inv_freq, scale, block_embeds.dtype)
+        block_rope, ctx_rope = (rope_cos_sin(pos, inv_freq, scale, block_embeds.dtype) for pos in (block_pos, ctx_pos))
         masks = {None: mask}
         if c.sliding_window and "sliding_attention" in (c.layer_types or ()):
             masks[c.sliding_window] = window_mask(block_pos, positions if cache is None else
                                                   cached_positions(cache, ctx_features.shape[1], c.sliding_window,
                                                                    block_pos), c.sliding_window, mask)
-        h = block_embeds
+        h, recompute = block_embeds, self.grad_checkpoint and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
-            layer_mask = masks[layer.self_attn.window]
-            if self.grad_checkpoint and torch.is_grad_enabled():
-                h = torch.utils.checkpoint.checkpoint(layer, h, ctx, block_rope, ctx_rope, layer_mask, cache, i,
-                                                      use_reentrant=False)
-            else:
-                h = layer(h, ctx, block_rope, ctx_rope, layer_mask, cache, i)
+            args = (h, ctx, block_rope, ctx_rope, masks[layer.self_attn.window], cache, i)
+            h = torch.utils.checkpoint.checkpoint(layer, *args, use_reentrant=False) if recompute else layer(*args)
         if cache is not None:
             cache.length += ctx_features.shape[1]
         return self.norm(h)
 
     def propose(self, h, unary, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0, embedding=None):
-        """Draft tokens for one block's slots 1..B-1: the selector walk, or with the selector
-        off the unary argmax (T = 0) / a unary sample (T > 0) from sampling_probs, the law the
-        request gives the target (top-k / top-p included, §5). Returns path (M, B-1),
-        cand (M, B-1, K or V), q (M, B-1, K or V) the law each token was drawn from. embedding:
-        the target's input embedding, which factored codebooks read."""
+        """Drafts for slots 1..B-1 (§3): the walk, or with the selector off the unary argmax (T = 0) or a draw
+        from sampling_probs (the request's law). -> path (M, B-1), cand (M, B-1, K or V), q (M, B-1, K or V)
+        the law each token was drawn from. embedding: the target's input embedding (factored codebooks)."""
         if self.config.selector_top_k:
             return self.candidate_selector.walk(h, unary, anchor, temperature, generator, embedding)
         M, n, V = unary.shape
@@ -657,20 +564,13 @@ class DFlash2Drafter(nn.Module):
         path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
         return path, cand, q
 
-
 # -----------------------------------------------------------------------------
 # block masking and anchors (§6)
-
-
 def sample_anchors(loss_mask, max_anchors, generator=None):
-    """Per sequence, up to max_anchors distinct positions a with loss_mask[a] = 1 and
-    a + 1 < S, sorted. Also loss_mask[a + 1] = 1: an anchor whose first slot is not
-    trained on (end of a turn, start of padding) would only waste a block.
-    Returns anchors (b, N) long and valid (b, N) bool; padding anchors sit at 0."""
-    if max_anchors < 1:
-        raise ValueError(f"max_anchors ({max_anchors}) must be >= 1")
-    b = loss_mask.shape[0]
-    lm = loss_mask.bool()
+    """Per row, up to max_anchors distinct positions a with loss_mask[a] = loss_mask[a + 1] = 1, sorted (§6).
+    -> anchors (b, N) long, valid (b, N) bool; padding anchors sit at 0."""
+    require(max_anchors >= 1, f"max_anchors ({max_anchors}) must be >= 1")
+    b, lm = loss_mask.shape[0], loss_mask.bool()
     eligible = lm[:, :-1] & lm[:, 1:]                # (b, S-1): position a, with a + 1 < S
     chosen = []
     for row in eligible:
@@ -684,7 +584,6 @@ def sample_anchors(loss_mask, max_anchors, generator=None):
         anchors[i, :len(a)], valid[i, :len(a)] = a, True
     return anchors, valid
 
-
 def block_layout(input_ids, anchors, block_size, mask_token_id):
     """Blocks [x[a_j], MASK x (B-1)] at positions a_j + 0..B-1, concatenated -> ids, positions (b, N·B)."""
     b, N = anchors.shape
@@ -693,15 +592,10 @@ def block_layout(input_ids, anchors, block_size, mask_token_id):
     pos = anchors[:, :, None] + torch.arange(block_size, device=anchors.device)
     return ids.view(b, N * block_size), pos.view(b, N * block_size)
 
-
 def block_attention_mask(anchors, attention_mask, block_size):
-    """Dense (b, 1, N·B, S + N·B) bool mask over keys [context ; blocks].
-
-    A query of block j sees context key s iff s < a_j (strictly: at inference the anchor's
-    own target state is not computed yet) and s is a real token; it sees every token of
-    its own block (bidirectional); nothing of other blocks."""
-    b, N = anchors.shape
-    S = attention_mask.shape[1]
+    """Dense (b, 1, N·B, S + N·B) bool mask over keys [context ; blocks] (§6): block j sees all of its own block
+    and the real context tokens s < a_j (strictly: at inference the anchor's target state does not exist yet)."""
+    (b, N), S = anchors.shape, attention_mask.shape[1]
     s = torch.arange(S, device=anchors.device)
     ctx = (s[None, None, :] < anchors[:, :, None]) & attention_mask.bool()[:, None, :]   # (b, N, S)
     ctx = ctx.repeat_interleave(block_size, dim=1)                                          # (b, N·B, S)
@@ -709,27 +603,15 @@ def block_attention_mask(anchors, attention_mask, block_size):
     own = (blk[:, None] == blk[None, :]).expand(b, -1, -1)                                  # (b, N·B, N·B)
     return torch.cat([ctx, own], dim=-1)[:, None]
 
-
 # -----------------------------------------------------------------------------
 # loss and metrics (§6)
-
-
 def default_gamma(block_size):
-    """Decay of the position weights w_k = exp(-(k-1)/γ): the published 4/5/7 for B = 8/10/16,
-    otherwise B/2."""
+    """γ of the position weights w_k = exp(-(k-1)/γ): the published 4/5/7 for B = 8/10/16, else B/2."""
     return {8: 4.0, 10: 5.0, 16: 7.0}.get(block_size, block_size / 2)
-
 
 def expected_acceptance_length(correct):
     """correct (..., B-1) bool per slot -> 1 + number of leading correct slots (bonus counted)."""
     return 1 + correct.long().cumprod(-1).sum(-1).float()
-
-
-def head_logits(lm_head, x):
-    """lm_head(x), at least fp32: bf16 logits under autocast are upcast, float64 stays float64."""
-    y = lm_head(x.to(lm_head.weight.dtype))
-    return y.to(torch.promote_types(y.dtype, torch.float32))
-
 
 @dataclass(frozen=True)
 class LossConfig:
@@ -741,64 +623,50 @@ class LossConfig:
     soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
     accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
     chunk_size: int | None = None        # slots whose (slots, V) logits live at once, recomputed in backward
-    fused: bool = True                   # the unary term from TargetLoss; False: autograd through its formula
+    fused: bool = True                   # the unary term from FusedUnaryLoss; False: autograd through its formula
 
     def __post_init__(self):
-        at = {name: getattr(self, name) for name in ("soft_labels_at", "accept_at")}
-        for ok, sentence in (
-            (self.loss_type in ("kl", "ce"), f"loss_type ({self.loss_type!r}) must be 'kl' or 'ce'"),
-            (self.selector_labels in ("argmax", "soft"),
-             f"selector_labels ({self.selector_labels!r}) must be 'argmax' or 'soft'"),
-            (at["soft_labels_at"] is None or self.selector_labels == "soft",
-             f"soft_labels_at ({at['soft_labels_at']}) needs selector_labels='soft'"),
-            (self.gamma is None or self.gamma > 0, f"gamma ({self.gamma}) must be > 0 (or None for B's default)"),
-            (self.alpha >= 0, f"alpha ({self.alpha}) must be >= 0"),
-            (self.chunk_size is None or self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1 or None")):
-            if not ok:
-                raise ValueError(sentence)
-        for name, setting in at.items():  # sampling settings (check_sampling), and T = 0 has no law to read
-            if setting is not None:
+        require(self.loss_type in ("kl", "ce"), f"loss_type ({self.loss_type!r}) must be 'kl' or 'ce'")
+        require(self.selector_labels in ("argmax", "soft"),
+                f"selector_labels ({self.selector_labels!r}) must be 'argmax' or 'soft'")
+        require(self.soft_labels_at is None or self.selector_labels == "soft",
+                f"soft_labels_at ({self.soft_labels_at}) needs selector_labels='soft'")
+        require(self.gamma is None or self.gamma > 0, f"gamma ({self.gamma}) must be > 0 (or None for B's default)")
+        require(self.alpha >= 0, f"alpha ({self.alpha}) must be >= 0")
+        require(self.chunk_size is None or self.chunk_size >= 1, f"chunk_size ({self.chunk_size}) must be >= 1 or None")
+        for name, setting in (("soft_labels_at", self.soft_labels_at), ("accept_at", self.accept_at)):
+            if setting is not None:  # a sampling setting, and T = 0 has no law to read
                 try:
                     check_sampling(*setting)
-                    if setting[0] == 0:
-                        raise ValueError("temperature must be > 0")
+                    require(setting[0] != 0, "temperature must be > 0")
                 except ValueError as e:
                     raise ValueError(f"{name} {setting}: {e}") from None
 
-
-class TargetLoss(torch.autograd.Function):
-    """slot_losses' unary term in few passes over V, with its gradient written out:
-
+class FusedUnaryLoss(torch.autograd.Function):
+    """slot_losses' unary term (§6) in few passes over V, with its gradient written out:
         kl = Σ_v p_v·(r_v − z_v) − lse(r) + lse(z),   ce = lse(z) − z_y,   ∂/∂z = softmax(z) − π
-
-    z / r (n, V) drafter / target logits (finite: lm_head outputs), p = softmax(r), π = p (kl) or
-    one-hot(y) (ce), y = argmax r. lse(x) = max x − log softmax(x)[argmax x], exact since that
-    softmax entry is at least 1/V. Six passes forward and two in place backward, against about ten
-    each way for autograd through the formula. -> (term (n,), p (n, V) or None for ce, y (n,))."""
-
+    z / r (n, V) drafter / target logits (finite: lm_head outputs), p = softmax(r), π = p (kl) or one-hot(y) (ce),
+    y = argmax r; lse(x) = max x − log softmax(x)[argmax x], exact as that entry is >= 1/V. Six passes forward, two
+    in place backward (autograd: about ten each way). -> (term (n,), p (n, V) or None for ce, y (n,))."""
     @staticmethod
     def forward(ctx, z, r, hard):
         with torch.autocast(z.device.type, enabled=False):  # bmm would run in bf16 under autocast
-            return TargetLoss._forward(ctx, z, r, hard)
-
-    @staticmethod
-    def _forward(ctx, z, r, hard):
-        r_max, label = r.max(-1, keepdim=True)
-        q = torch.softmax(z, dim=-1)
-        z_max, z_arg = z.max(-1, keepdim=True)
-        lse_z = z_max - q.gather(-1, z_arg).log()
-        if hard:
-            term, p = lse_z - z.gather(-1, label), None
-        else:
-            p = torch.softmax(r, dim=-1)
-            lse_r = r_max - p.gather(-1, label).log()
-            dot = lambda a, b: torch.bmm(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)  # Σ_v a_v·b_v, one read each
-            term = dot(p, r) - dot(p, z) - lse_r + lse_z
-        ctx.save_for_backward(q, p if p is not None else label)
-        ctx.hard = hard
-        outputs = (term.squeeze(-1), p, label.squeeze(-1))
-        ctx.mark_non_differentiable(*(x for x in outputs[1:] if x is not None))
-        return outputs
+            r_max, label = r.max(-1, keepdim=True)
+            q = torch.softmax(z, dim=-1)
+            z_max, z_arg = z.max(-1, keepdim=True)
+            lse_z = z_max - q.gather(-1, z_arg).log()
+            if hard:
+                term, p = lse_z - z.gather(-1, label), None
+            else:
+                p = torch.softmax(r, dim=-1)
+                lse_r = r_max - p.gather(-1, label).log()
+                dot = lambda a, b: torch.bmm(a.unsqueeze(-2), b.unsqueeze(-1)).squeeze(-1)  # Σ_v a_v·b_v, one read
+                term = dot(p, r) - dot(p, z) - lse_r + lse_z
+            ctx.save_for_backward(q, p if p is not None else label)
+            ctx.hard = hard
+            outputs = (term.squeeze(-1), p, label.squeeze(-1))
+            ctx.mark_non_differentiable(*(x for x in outputs[1:] if x is not None))
+            return outputs
 
     @staticmethod
     def backward(ctx, grad_term, *_):
@@ -806,25 +674,19 @@ class TargetLoss(torch.autograd.Function):
         grad = q.scatter_add_(-1, target, -torch.ones_like(target, dtype=q.dtype)) if ctx.hard else q.sub_(target)
         return grad.mul_(grad_term[:, None]), None, None
 
-
 def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None,
-                embedding=None, fused=False):
+                embedding=None, fused=True):
     """The §6 terms of each slot, for slots laid out any way (...):
-
-        unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary)
-                ce: −log q_y,                     y = argmax ref (the target's token)
-        sel     −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(unary, K), E the edge scores (§3)
-                π = one-hot(y) ("argmax") or the target's law ("soft": p, or with soft_labels_at =
-                (T, top_p, top_k) sampling_probs(ref, T, top_p, top_k)), restricted to C
-
-    h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) the
-    predecessor ids, embedding the target's input embedding (factored codebooks) -> (unary term,
-    selector term, Σ_{c∈C} π_c: the slot's selector weight), each (...); the last two are None
-    without a selector. fused: the unary term from TargetLoss (the same values in fewer passes
-    over V, for finite logits); the lines below define it."""
+        unary   kl: Σ_v p_v·(log p_v − log q_v),  p = softmax(ref), q = softmax(unary);  ce: −log q_y,  y = argmax ref
+        sel     −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(unary, K),  π = one-hot(y) ("argmax") or the
+                target's law on C ("soft": p, or sampling_probs(ref, *soft_labels_at) when given)
+    h (..., H) drafter output, unary / ref (..., V) drafter / target logits, prev (...) predecessor ids,
+    embedding the target's input embedding (factored codebooks) -> (unary term, selector term, Σ_{c∈C} π_c:
+    the slot's selector weight), each (...); the last two None without a selector. fused: the unary term
+    from FusedUnaryLoss (the same values in fewer passes over V, for finite logits); False: the formula."""
     soft = selector is not None and selector_labels == "soft"
     if fused:
-        term, p, label = TargetLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2), loss_type == "ce")
+        term, p, label = FusedUnaryLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2), loss_type == "ce")
         term, label = term.view(unary.shape[:-1]), label.view(unary.shape[:-1])
         p = p.view(ref.shape) if p is not None else F.softmax(ref, dim=-1) if soft else None
     else:
@@ -843,35 +705,28 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
     log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand, embedding), dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
-
 def weighted_sums(c, selector, embed, lm_head, cfg, h, ref_h, prev, w):
-    """Σ w·unary term (with a selector also Σ w·selector term, Σ w·selector weight) over n slots:
-    h / ref_h (n, H) drafter / target final hidden states, prev / w (n,). n bounds the memory."""
+    """slot_losses' Σ w·terms over n slots (n bounds the memory): h, ref_h (n, H) final hidden states, prev, w (n,)."""
     term, sel, mass = slot_losses(h, target_logits(c, lm_head, h), target_logits(c, lm_head, ref_h), prev, selector,
                                   cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, embed, cfg.fused)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()
 
-
 def block_slots(anchors, anchor_valid, loss_mask, block_size):
-    """Slot k = 1..B-1 of block j predicts t = a_j + k and counts iff its anchor is real, t < S
-    and loss_mask[t] = 1. Its label, reference logits and selector predecessor are read at t - 1
-    (slot 1's: the anchor). -> counted (b, N, B-1) bool, src (b, N, B-1) long: t - 1, t clamped."""
+    """Slot k = 1..B-1 of block j predicts t = a_j + k and counts iff its anchor is real, t < S and loss_mask[t] = 1;
+    its label, reference logits and predecessor are read at src = t - 1 (t clamped). -> counted, src (b, N, B-1)."""
     S = loss_mask.shape[1]
     t = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)   # (b, N, B-1)
     t_in = t.clamp(max=S - 1)
     counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.flatten(1)).view_as(t)
     return counted, t_in - 1
 
-
 def packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid):
-    """The drafter over a batch's packed blocks, read per slot (block_slots): -> h (b, N, B-1, H) its
-    outputs, ref_h (b, N, B-1, H) the target's last hidden states at t - 1 (whose logits are the
-    reference law), prev (b, N, B-1) the selector's predecessor ids there, counted (b, N, B-1) bool."""
-    c = drafter.config
+    """The drafter over a batch's packed blocks, per slot (block_slots) -> h (b, N, B-1, H), ref_h (b, N, B-1, H) the
+    target's last hidden states at t - 1, prev (b, N, B-1) the predecessor ids there, counted (b, N, B-1) bool."""
+    c, dtype = drafter.config, drafter.fc.weight.dtype
     B, (b, S), N = c.block_size, input_ids.shape, anchors.shape[1]
-    dtype = drafter.fc.weight.dtype
     ids, pos = block_layout(input_ids, anchors, B, c.mask_token_id)
     mask = block_attention_mask(anchors, attention_mask, B)
     ctx_pos = torch.arange(S, device=input_ids.device).expand(b, S)
@@ -880,27 +735,19 @@ def packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, 
     rows = torch.arange(b, device=input_ids.device)[:, None, None]
     return h[:, :, 1:], last_hidden[rows, src], input_ids[rows, src], counted
 
-
 def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
               cfg=LossConfig()):
-    """The weighted sums the §6 loss divides, over the counted slots of a batch's packed blocks
-    with slot_losses' terms and w_k = exp(-(k-1)/γ):
-
-        unary = Σ w·term, unary_weight = Σ w;  with a selector also  selector = Σ w·sel,
-        selector_weight = Σ w·m,  m the labels' mass on the top-K (argmax labels: 1[y ∈ C])
-
-    input_ids / attention_mask / loss_mask (b, S); context (b, S, nf·H) the target's features at
-    target_layer_ids (context_features); last_hidden (b, S, H) its last hidden state, after the
-    final norm (the target's logits are target_logits of it); anchors / anchor_valid (b, N).
-    -> {name: sum} (tensors; data parallel reduces them by name)."""
+    """The sums the §6 loss divides, over the counted slots (slot_losses, w_k = exp(-(k-1)/γ)): unary = Σ w·term,
+    unary_weight = Σ w; with a selector also selector = Σ w·sel, selector_weight = Σ w·m (π's mass on the top-K).
+    input_ids / attention_mask / loss_mask (b, S), context (b, S, nf·H) the target's context_features, last_hidden
+    (b, S, H) its last hidden state (after the final norm), anchors / anchor_valid (b, N). -> {name: sum tensor}."""
     c = drafter.config
     embed, lm_head = check_target(c, target)
     h, ref_h, prev, counted = packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden,
                                            anchors, anchor_valid)
     gamma = default_gamma(c.block_size) if cfg.gamma is None else cfg.gamma
-    logits_dtype = torch.promote_types(lm_head.weight.dtype, torch.float32)  # head_logits': fp64 stays fp64
+    logits_dtype = torch.promote_types(lm_head.weight.dtype, torch.float32)  # target_logits': fp64 stays fp64
     w = torch.exp(-torch.arange(c.block_size - 1, device=h.device, dtype=logits_dtype) / gamma) * counted
-
     idx = counted.flatten().nonzero().squeeze(-1)      # only counted slots reach the vocabulary
     slots = [x.flatten(0, 2)[idx] for x in (h, ref_h, prev, w)]
     chunk_sums = functools.partial(weighted_sums, c, drafter.candidate_selector, embed, lm_head, cfg)
@@ -915,12 +762,10 @@ def loss_sums(drafter, target, input_ids, attention_mask, loss_mask, context, la
         sums.update(selector=totals[1], selector_weight=totals[2])
     return sums
 
-
 def loss_from_sums(sums, alpha, weights=None):
-    """L = L_unary + α·L_sel = unary / unary_weight + α·selector / selector_weight (no selector:
-    L_unary alone; a sum over no slot is 0 / 1e-9 = 0). weights: the two denominators to use
-    instead of the batch's own: under data parallel each rank divides by the ranks' mean, so the
-    mean of the ranks' gradients is the global batch's. -> (L, {loss, unary_loss, selector_loss} detached)."""
+    """L = unary / unary_weight + α·selector / selector_weight (§6; a sum over no slot is 0 / 1e-9 = 0).
+    weights: the denominators to use instead of the batch's own (data parallel: the ranks' mean, so the
+    ranks' mean gradient is the global batch's). -> (L, {loss, unary_loss, selector_loss} detached)."""
     w_unary, w_selector = (sums["unary_weight"], sums.get("selector_weight")) if weights is None else weights
     loss = unary_loss = sums["unary"] / w_unary.clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
@@ -930,19 +775,15 @@ def loss_from_sums(sums, alpha, weights=None):
         stats["selector_loss"] = selector_loss.detach()
     return loss, {**stats, "loss": loss.detach()}
 
-
 def dflash2_loss(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
                  cfg=LossConfig()):
-    """L = L_unary + α·L_sel over the packed blocks of a batch: loss_from_sums(loss_sums(...)).
-    -> (L, {loss, unary_loss, selector_loss} detached tensors)."""
+    """L = L_unary + α·L_sel of a batch: loss_from_sums(loss_sums(...)). -> (L, detached stats)."""
     return loss_from_sums(loss_sums(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden,
                                     anchors, anchor_valid, cfg), cfg.alpha)
 
-
 def metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
-    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric: bool for unary
-    argmax right, label among the top-K (oracle), teacher-forced selector pick right, the walk (its
-    own choices fed forward from the anchor) right; float, at accept_at = (T, top_p, top_k): Σ min(p, q),
+    """h / ref_h (M, B-1, H), prev (M, B-1) for M blocks -> (M, B-1) per metric (§6): bool, unary argmax, label in
+    the top-K (oracle), teacher-forced pick (tf) and walk right; float at accept_at = (T, top_p, top_k): Σ min(p, q),
     the chance rejection sampling keeps the unary / selector draft (§4), and the target's mass on the top-K."""
     unary, ref = target_logits(drafter.config, lm_head, h), target_logits(drafter.config, lm_head, ref_h)
     label, p = ref.argmax(-1), sampling_probs(ref, *accept_at)
@@ -957,13 +798,11 @@ def metric_hits(drafter, embed, lm_head, h, ref_h, prev, accept_at):
                     accept_selector=torch.minimum(p_cand, F.softmax(scores / accept_at[0], -1).to(p.dtype)).sum(-1))
     return hits
 
-
 @torch.no_grad()
 def dflash2_metrics(drafter, target, input_ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid,
                     cfg=LossConfig()):
-    """The §6 metrics of a batch, loss_sums' inputs, as floats (host syncs), at cfg.accept_at (None:
-    T = 1, no filter), a chunk of whole blocks at a time (the walk runs along a block); a slot that
-    isn't counted ends an acceptance run."""
+    """The §6 metrics of a batch (loss_sums' inputs) as floats, at cfg.accept_at (None: T = 1, no filter), a
+    chunk of whole blocks at a time (the walk runs along a block); an uncounted slot ends an acceptance run."""
     embed, lm_head = check_target(drafter.config, target)
     h, ref_h, prev, counted = packed_slots(drafter, embed, input_ids, attention_mask, loss_mask, context, last_hidden,
                                            anchors, anchor_valid)
@@ -973,8 +812,7 @@ def dflash2_metrics(drafter, target, input_ids, attention_mask, loss_mask, conte
     parts = [metric_hits(drafter, embed, lm_head, *(x[i:i + size] for x in flat), cfg.accept_at or (1.0, 1.0, 0))
              for i in range(0, M, size)]
     hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
-    blocks = counted[..., 0]
-    n_blocks = blocks.sum().clamp(min=1)
+    blocks, n_blocks = counted[..., 0], counted[..., 0].sum().clamp(min=1)
     per_slot = lambda hit, among: ((hit & among).sum((0, 1)) / among.sum((0, 1)).clamp(min=1)).tolist()
     overall = lambda hit: ((hit * counted).sum() / counted.sum().clamp(min=1)).item()
     mean_al = lambda hit: (expected_acceptance_length(hit & counted)[blocks].sum() / n_blocks).item()
@@ -989,40 +827,18 @@ def dflash2_metrics(drafter, target, input_ids, attention_mask, loss_mask, conte
                  accept_selector=overall(hit["accept_selector"]), mass_at_k=overall(hit["mass_at_k"]))
     return m
 
-
 # -----------------------------------------------------------------------------
 # speculative decoding (§4, §5)
-
-
-def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
-    """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the
-    target's p, and the q of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
-    if top_k:
-        kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    p = torch.softmax(x, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = p.sort(dim=-1, descending=True, stable=True)  # ties: lower id first, on every device
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p  # keep the smallest prefix reaching top_p
-        p = p.masked_fill(torch.zeros_like(drop).scatter(-1, order, drop), 0.0)  # back to vocab order
-        p = p / p.sum(-1, keepdim=True)
-    return p
-
-
 def verify_greedy(draft, logits):
-    """T = 0: accept the longest prefix of draft (n,) equal to the target argmax of logits
-    (n+1, V); the bonus is the target's argmax right after it. -> (n_accepted, bonus)."""
+    """T = 0 (§4): the longest prefix of draft (n,) equal to argmax logits (n+1, V), then the next argmax."""
     pred = logits.argmax(-1)
     n_acc = int((draft == pred[:-1]).long().cumprod(0).sum())
     return n_acc, int(pred[n_acc])
-
 
 def acceptance_probability(p, q, token):
     """Keep a draft token with probability min(1, p[token] / q[token]). A token the target
     gives p = 0 is never kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
     return torch.where(p[token] > 0, torch.clamp(p[token] / q[token], max=1.0), 0.0)
-
 
 def residual_distribution(p, q):
     """After a rejection, sample from normalize(max(0, p - q)); p itself if that is all zero
@@ -1030,18 +846,15 @@ def residual_distribution(p, q):
     r = (p - q).clamp(min=0)
     return r / r.sum() if r.sum() > 0 else p
 
-
 def verify_sampled(draft, q, p, generator=None):
-    """T > 0 rejection sampling (Leviathan et al. / Chen et al.) with a sparse proposal.
-    draft (n,), q (n, V) the law each draft token was sampled from (0 outside its
-    candidates, conditional on the drafted predecessor), p (n+1, V) target laws.
-    Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
+    """T > 0 rejection sampling (Leviathan et al. / Chen et al., §4) with a sparse proposal: draft (n,),
+    q (n, V) the law each draft was drawn from (0 outside its candidates, conditional on the drafted
+    predecessor), p (n+1, V) the target's laws. Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
     for i, d in enumerate(draft.tolist()):
         u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
         if u >= acceptance_probability(p[i], q[i], d):
             return i, int(torch.multinomial(residual_distribution(p[i], q[i]), 1, generator=generator))
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
-
 
 @dataclass
 class GenerationStats:
@@ -1059,36 +872,20 @@ class GenerationStats:
     def tokens_per_second(self):
         return self.new_tokens / max(self.decode_seconds, 1e-9)
 
-
-def check_sampling(temperature, top_p, top_k):
-    """A request's sampling setting, refused early with the field and value: T finite and >= 0
-    (0 = greedy), top_p in (0, 1], integer top_k >= 0 (top_p 1 and top_k 0 filter nothing)."""
-    if not temperature >= 0 or math.isinf(temperature):  # `not >=` also catches NaN
-        raise ValueError(f"temperature ({temperature}) must be a finite number >= 0")
-    if not 0 < top_p <= 1:
-        raise ValueError(f"top_p ({top_p}) must be in (0, 1]")
-    if not isinstance(top_k, int) or top_k < 0:
-        raise ValueError(f"top_k ({top_k!r}) must be an integer >= 0")
-
-
 def _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+    require(input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1,
+            f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
+    require(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
+            f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
     check_sampling(temperature, top_p, top_k)
 
-
 def sample(logits, temperature, top_p=1.0, top_k=0, generator=None):
-    """One token per row of logits (..., V) at the request's setting: the argmax at T = 0, else a
-    draw from sampling_probs (top-k / top-p included). -> (...,) long. The target's tokens are
-    drawn here wherever it generates alone (target_generate, spec_generate's first token,
-    regeneration), so they all follow the law serving uses."""
+    """One token per row of logits (..., V): the argmax at T = 0, else a draw from sampling_probs -> (...,). The
+    target alone (target_generate, spec_generate's first token, regeneration) draws here: serving's law."""
     if temperature == 0:
         return logits.argmax(-1)
     p = sampling_probs(logits, temperature, top_p, top_k)
     return torch.multinomial(p.reshape(-1, p.shape[-1]), 1, generator=generator).view(p.shape[:-1])
-
 
 def device_time(device):
     """time.perf_counter() once the device's queued work is done: the clock of GenerationStats and the bench."""
@@ -1096,12 +893,10 @@ def device_time(device):
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
-
 def draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache):
-    """The draft half's forward: the block [anchor, MASK, ..., MASK] at positions a..a+B−1
-    through the drafter, which first appends new_ctx (1, ·, nf·H), the raw target features of
-    the context it has not read yet, to draft_cache; then the target's lm_head on slots 1..B−1.
-    anchor (1,) long. -> (h (1, B−1, H), unary logits (1, B−1, V) fp32): propose's inputs."""
+    """The draft half (§5): the block [anchor, MASK, ..., MASK] at a..a+B−1 through the drafter, which first
+    appends new_ctx (1, ·, nf·H), the target features it has not read yet, to draft_cache; then the target's
+    logits of slots 1..B−1. anchor (1,) long. -> (h (1, B−1, H), unary (1, B−1, V) fp32): propose's inputs."""
     c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
     a = draft_cache.length + new_ctx.shape[1]  # the context is 0..a−1, the anchor sits at a
     block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
@@ -1110,41 +905,33 @@ def draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache):
                 new_ctx.to(dtype), torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
     return h, target_logits(c, lm_head, h).float()
 
-
 def verify_forward(target, cache, anchor, draft, layer_ids):
-    """The verify half's forward: the target reads [anchor ; draft] (n+1 tokens) after its cache,
-    so logits row i is its law for the token after draft[:i], row n the bonus's when all are
-    kept. -> (logits (n+1, V), context features (1, n+1, nf·H))."""
+    """The verify half (§5): the target reads [anchor ; draft] after its cache; logits row i is its law after
+    draft[:i] (row n: the bonus's when all are kept). -> (logits (n+1, V), context features (1, n+1, nf·H))."""
     out = target(torch.cat([anchor, draft])[None], cache=cache, use_cache=True, output_hidden_states=True)
     return out.logits[0], context_features(out.hidden_states, layer_ids)
 
-
 def q_over_vocab(cand, q, vocab_size):
-    """The sparse proposal spread over the vocabulary: q (..., K) of candidates cand (..., K) ->
-    (..., V) fp64, 0 outside the candidates (tokens the walk could not draw)."""
+    """q (..., K) of candidates cand (..., K) spread over the vocabulary -> (..., V) fp64, 0 off the candidates."""
     dense = torch.zeros(*cand.shape[:-1], vocab_size, device=cand.device, dtype=torch.float64)
     return dense.scatter_(-1, cand, q.double())
 
-
 def rollback(cache, features, n, n_acc):
-    """Keep what verification accepted: the target cache drops the n − n_acc rejected drafts, and
-    the drafter's next new context is the features of the anchor and the accepted drafts. The
-    bonus is in neither: it is the next cycle's anchor. -> new_ctx (1, n_acc + 1, nf·H)."""
-    cache.crop(-(n - n_acc))  # a negative count of tokens to remove; crop(0) also trims sliding-window layers
+    """Keep what verification accepted (§5): the target cache drops the n − n_acc rejected drafts; the next new_ctx
+    (1, n_acc + 1, nf·H) is the features of the anchor and the accepted drafts (the bonus is the next anchor)."""
+    # transformers 5: crop(-m) drops the last m tokens. crop(0) drops nothing from a full-attention layer, but
+    # trims a sliding-window layer that records its past (spec_generate's cache) back to W − 1: call it anyway
+    cache.crop(-(n - n_acc))
     return features[:, :n_acc + 1]
-
 
 def speculative_decode_step(drafter, target, cache, draft_cache, anchor, new_ctx, n, temperature=0.0, top_p=1.0,
                             top_k=0, generator=None):
-    """One draft-and-verify cycle (§5). The anchor (1,) is the last emitted token, at position a:
-    the target's cache holds 0..a−1, the drafter's 0..a−1 less new_ctx. Draft n <= B−1 tokens in
-    one drafter pass, score them in one target pass, keep the longest accepted prefix and a bonus
-    token (verify_greedy at T = 0; verify_sampled at T > 0, so the output follows the target's
-    law). -> (committed: the n_acc accepted drafts then the bonus; new_ctx for the next cycle)."""
+    """One draft-and-verify cycle (§5): the anchor (1,) at a is the last emitted token, the target's cache holds
+    0..a−1, the drafter's 0..a−1 less new_ctx. Draft n <= B−1 tokens, verify them in one target pass (greedy
+    or sampled), keep the accepted prefix and a bonus. -> (the accepted drafts then the bonus, next new_ctx)."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     h, unary = draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache)
-    path, cand, q = drafter.propose(h, unary, anchor, temperature, generator, top_p=top_p, top_k=top_k,
-                                    embedding=embed)
+    path, cand, q = drafter.propose(h, unary, anchor, temperature, generator, top_p=top_p, top_k=top_k, embedding=embed)
     draft = path[0, :n]
     logits, features = verify_forward(target, cache, anchor, draft, drafter.config.target_layer_ids)
     if temperature == 0:
@@ -1155,7 +942,6 @@ def speculative_decode_step(drafter, target, cache, draft_cache, anchor, new_ctx
         n_acc, bonus = verify_sampled(draft, q_vocab, p, generator)
     return draft[:n_acc].tolist() + [bonus], rollback(cache, features, n, n_acc)
 
-
 def _emit(tokens, new, stop_ids, max_new_tokens):
     """Append new tokens, stopping after a stop token or at max_new_tokens; -> done."""
     for tok in new:
@@ -1163,7 +949,6 @@ def _emit(tokens, new, stop_ids, max_new_tokens):
         if tok in stop_ids or len(tokens) >= max_new_tokens:
             return True
     return False
-
 
 @torch.no_grad()
 def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
@@ -1174,27 +959,23 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
     stats, stop_ids, tokens = GenerationStats(), set(stop_token_ids or ()), []
     cache = DynamicCache(config=target.config)
     logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
-    start = device_time(input_ids.device)
-    stats.target_forwards = 1
+    start, stats.target_forwards = device_time(input_ids.device), 1
     while not _emit(tokens, [int(sample(logits, temperature, top_p, top_k, generator))], stop_ids, max_new_tokens):
         logits = target(torch.tensor([[tokens[-1]]], device=input_ids.device), cache=cache, use_cache=True).logits[0, -1]
         stats.target_forwards += 1
     stats.decode_seconds, stats.new_tokens = device_time(input_ids.device) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats
 
-
 @torch.no_grad()
 def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
                   stop_token_ids=None, generator=None):
-    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5).
-    Returns (new token ids (n,), GenerationStats). Output equals target_generate's token
-    for token at T = 0 and follows the target's law at T > 0."""
+    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). -> (new token ids (n,),
+    GenerationStats). Equals target_generate's output token for token at T = 0, follows its law at T > 0."""
     from transformers import DynamicCache
     _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
     check_target(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
-
     cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
     cache.activate_past_recording()  # sliding-window layers keep what a rollback may need, until the next crop
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)

@@ -1,7 +1,12 @@
 """
 The memory plan of DFlash2 training on one GPU, read off the target's config before any
-weight is loaded. `python train.py --target Qwen/Qwen3-4B --plan` prints it; on a GPU,
-train.py refuses a batch it says does not fit.
+weight is loaded:
+
+    python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
+
+prints it for train.py's shape flags (same names, same defaults) and --gpu-memory-gib (80).
+On a GPU, train.py refuses a batch the plan says does not fit in the device's total memory
+(torch.cuda.get_device_properties(device).total_memory), before the target loads.
 
 Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one layer), where
   fixed        = target weights + the drafter's weights, grads and AdamW state (fp32
@@ -19,15 +24,18 @@ convolution, keys and values repeated for GQA before attention). The plan is che
 against measured peaks: on the CPU by tests/test_memory.py and `python -m bench.cost`
 (the memory table), on a GPU by `python -m bench.gpu_check`.
 """
+import argparse
+
 import torch
 
 import dflash2
+from target import load_config
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
 DRAFTER_BYTES_PER_PARAM = 16
 # live (n, V) fp32 tensors at the peak of one chunk's recomputed backward: the logits of the
-# drafter and of the target, and the two softmaxes TargetLoss keeps (the gradient is built in
+# drafter and of the target, and the two softmaxes FusedUnaryLoss keeps (the gradient is built in
 # one of them); 4 fits the measured peaks
 LOSS_TENSORS_PER_SLOT = 4
 
@@ -114,7 +122,7 @@ def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=10
 
 
 def format_plan(plan):
-    """The plan as the lines --plan prints."""
+    """The plan as the lines `python memory.py` prints."""
     s = plan["shape"]
     gib = lambda x: f"{x / GiB:7.2f} GiB"
     lines = [f"memory plan: seq {s['seq_len']}, {s['anchors']} anchors, B={s['block_size']}, batch "
@@ -137,5 +145,61 @@ def check_fits(plan):
     if plan["peak"] > s["gpu_memory_gib"] * GiB:
         hint = (f"--batch-size {plan['max_batch_size']} fits" if plan["max_batch_size"] else
                 "not even one sequence fits: try --grad-checkpoint, a smaller --loss-chunk, --max-anchors or --seq-len")
-        raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.1f} GiB per GPU, more than "
-                         f"--gpu-memory-gib {s['gpu_memory_gib']:g}; {hint}")
+        raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.3g} GiB per GPU, more than "
+                         f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python memory.py prints the plan)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="The estimated peak GPU memory of a train.py run and the largest "
+                                "--batch-size that fits, from the target's config alone (no weights).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the frozen target (its config only)")
+    p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the plan must fit")
+    g = p.add_argument_group("train.py's shape flags")
+    g.add_argument("--seq-len", type=int, default=512, help="tokens per row")
+    g.add_argument("--max-anchors", type=int, default=16, help="blocks per sequence per step")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
+    g.add_argument("--loss-chunk", type=int, default=1024, help="slots whose vocabulary-wide tensors live at once "
+                   "(0: all at once)")
+    g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward")
+    g.add_argument("--num-layers", type=int, default=2, help="draft layers")
+    g.add_argument("--block-size", type=int, default=8, help="B: anchor + B-1 drafted tokens")
+    g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
+                   help="comma-separated target layers feeding the context; unset: the ALGORITHM.md §1 rule")
+    g.add_argument("--conv-kernel-size", type=int, default=2, help="local convolution taps Kc (0 disables)")
+    g.add_argument("--selector-rank", type=int, default=256, help="candidate selector rank R")
+    g.add_argument("--selector-top-k", type=int, default=16, help="selector candidates K (0 disables)")
+    g.add_argument("--selector-codebooks", default="free", choices=["free", "factored"], help="free or factored "
+                   "codebook tables (ALGORITHM.md §3)")
+    return p.parse_args(argv)
+
+
+def main(args, log=print):
+    """Print the plan of this run shape on --target; -> the plan."""
+    if not args.target:  # the offline demo's target is built (trained) on first use: no config to read yet
+        raise ValueError("the memory plan reads the target's config: name one with --target (a model folder, hub id "
+                         "or .gguf file); the offline demo's tiny target needs no plan")
+    if not args.gpu_memory_gib > 0:  # also refuses NaN
+        raise ValueError(f"--gpu-memory-gib {args.gpu_memory_gib} must be > 0")
+    for flag, value, low in (("--seq-len", args.seq_len, 2), ("--max-anchors", args.max_anchors, 1),
+                             ("--batch-size", args.batch_size, 1), ("--loss-chunk", args.loss_chunk, 0),
+                             ("--num-layers", args.num_layers, 1), ("--block-size", args.block_size, 2),
+                             ("--conv-kernel-size", args.conv_kernel_size, 0),
+                             ("--selector-rank", args.selector_rank, 1), ("--selector-top-k", args.selector_top_k, 0)):
+        if value < low:
+            raise ValueError(f"{flag} {value} must be >= {low}")
+    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    plan = memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                       args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib, num_layers=args.num_layers,
+                       block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
+                       selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                       selector_codebooks=args.selector_codebooks, **layer_ids)
+    log(format_plan(plan))
+    return plan
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad input: one line, no traceback
+        raise SystemExit(f"memory.py: {e}") from None

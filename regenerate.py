@@ -2,6 +2,7 @@
 On-policy data: every assistant turn answered again by the target itself, because the
 drafter's job is to predict what the target says, not what the corpus says (ALGORITHM.md §6).
 
+    python regenerate.py --target Qwen/Qwen3-4B --data prompts.jsonl --out chats.jsonl [--temperature 1 ...]
     conversations = regenerate_conversations(target, tokenizer, conversations)   # in memory
     regenerate_file(target, tokenizer, "prompts.jsonl", "chats.jsonl", temperature=1.0, seed=0, ...)   # resumable
 
@@ -17,14 +18,17 @@ Decisions:
 - regenerate_file seeds each batch of rows from (seed, its first row), so a run repeats itself
   at T > 0 and a resumed run writes what the uninterrupted one would have.
 """
+import argparse
 import json
+import os
 import time
 from pathlib import Path
 
 import torch
 
 import dflash2
-from data import REASONING, located_conversations, render, template_facts
+from data import REASONING, located_conversations, parse_template_kwargs, read_conversations, render, template_facts
+from target import load_target, load_tokenizer
 
 
 @torch.no_grad()
@@ -187,3 +191,54 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, top_p=
             log(f"regenerate {done}/{len(conversations)} conversations | {time.time() - t0:.0f}s | "
                 f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
 
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Write --data with every assistant turn answered again by the target "
+                                "(on-policy data, ALGORITHM.md §6); a killed run started again resumes.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the target that answers")
+    p.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet of 'messages' or 'conversations' "
+                   "rows; a row may end with a user turn (a list of prompts)")
+    p.add_argument("--out", metavar="OUT.jsonl", help="the regenerated conversations, one {\"messages\": [...]} a line")
+    p.add_argument("--data-split", default="train", help="split of a hub dataset")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
+    p.add_argument("--top-p", type=float, default=1.0, help="at a temperature > 0, draw from the most likely tokens "
+                   "whose probabilities first reach this sum, as serving's top-p does (1: all tokens)")
+    p.add_argument("--top-k", type=int, default=0, help="at a temperature > 0, draw from the k most likely tokens, "
+                   "as serving's top-k does (0: all tokens)")
+    p.add_argument("--max-new-tokens", type=int, default=2048, help="longest answer, in tokens")
+    p.add_argument("--batch-size", type=int, default=16, help="conversations per generate batch")
+    p.add_argument("--seed", type=int, default=0, help="seeds the sampled answers (temperature > 0)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's weights (target.py's rule, as train.py's --dtype)")
+    p.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
+                   "'{\"enable_thinking\": false}'")
+    return p.parse_args(argv)
+
+
+def main(args, log=print):
+    """The target answers every assistant turn of --data itself, and the last user turn of a row
+    that ends with one; every input error is raised before the weights load."""
+    if not (args.target and args.data and args.out):
+        raise ValueError("needs --target (who answers), --data (the conversations) and --out (where the answers go)")
+    dflash2.check_sampling(args.temperature, args.top_p, args.top_k)
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
+    read_conversations(args.data, args.data_split, log=log, need_answer=False)
+    tokenizer = load_tokenizer(args.target, args.chat_template)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.out,
+                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, template_kwargs=template_kwargs,
+                    log=log, split=args.data_split, seed=args.seed)
+    log(f"regenerated conversations in {os.path.abspath(args.out)}")
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad input: one line, no traceback
+        raise SystemExit(f"regenerate.py: {e}") from None

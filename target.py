@@ -1,6 +1,7 @@
 """
-The frozen target of train.py: where it lives, its tokenizer, config and weights, and the
-mask token the drafter's blocks are filled with (ALGORITHM.md §1).
+The frozen target of train.py: where it lives, its tokenizer, config and weights, the check
+that the drafter reads its tables as its own forward does, and the mask token the drafter's
+blocks are filled with (ALGORITHM.md §1).
 
     tokenizer = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")    # a hub id or a model folder
     model = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))   # or a GGUF file
@@ -18,6 +19,7 @@ import safetensors.torch
 import torch
 import transformers
 
+import dflash2
 from data import load_chat_template
 
 
@@ -90,6 +92,26 @@ def load_target(target, dtype_flag, device):
     path, kw = source(target)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0], **kw)
     return model.to(device).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def check_target_view(c, target, ids):
+    """The drafter's view of the target against the target's own forward on ids (1, n): embed_tokens
+    must give its hidden_states[0] and target_logits of its last hidden state its logits. A family
+    whose forward does anything else to its tables is refused by name, before any training."""
+    embed, lm_head = dflash2.check_target(c, target)
+    out = target(ids, output_hidden_states=True)
+    tolerance = 1e-4 if embed.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    for what, ours, theirs in (
+            ("embeddings (hidden_states[0])", dflash2.embed_tokens(c, embed, ids), out.hidden_states[0]),
+            ("logits", dflash2.target_logits(c, lm_head, out.hidden_states[-1]), out.logits)):
+        ours, theirs = ours.double(), theirs.double()
+        error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
+        if not error <= tolerance:
+            raise ValueError(f"the {target.config.model_type!r} target's {what} differ from what the drafter computes "
+                             f"from its tables (relative difference {error:.2g}): its forward transforms them in a way "
+                             "this implementation does not follow (it knows embedding scales, logit multipliers and "
+                             "final-logit soft-capping)")
 
 
 # -----------------------------------------------------------------------------

@@ -938,7 +938,7 @@ def test_kl_with_minus_infinite_target_logits_is_finite():
     g = torch.Generator().manual_seed(0)
     unary, ref = (torch.randn(2, 3, V, generator=g, dtype=torch.float64) for _ in range(2))
     ref[..., ::3] = float("-inf")
-    term = slot_losses(None, unary, ref, None, loss_type="kl")[0]
+    term = slot_losses(None, unary, ref, None, loss_type="kl", fused=False)[0]
     for i, j in ((0, 0), (1, 2)):
         p, logq = F.softmax(ref[i, j], -1), F.log_softmax(unary[i, j], -1)
         want = sum(p[v].item() * (math.log(p[v].item()) - logq[v].item()) for v in range(V) if p[v] > 0)
@@ -1137,10 +1137,10 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
 
 
 def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
-    """LossConfig.fused (TargetLoss: the KL / CE and their gradient softmax(z) - π written out)
+    """LossConfig.fused (FusedUnaryLoss: the KL / CE and their gradient softmax(z) - π written out)
     against autograd through slot_losses' formula: loss, stats and every gradient, in float64
     to 1e-10, with and without the selector, chunked and not, argmax and soft labels, soft
-    labels at a sampling setting; then TargetLoss's value and gradient against a loop over V."""
+    labels at a sampling setting; then FusedUnaryLoss's value and gradient against a loop over V."""
     for selector_top_k in (0, WIDE_K):
         drafter = make_drafter(randomize=True, selector_top_k=selector_top_k)
         if selector_top_k:

@@ -3,12 +3,14 @@ Train a DFlash2 drafter against a frozen target (ALGORITHM.md §6). A script, no
 arguments -> setup -> data -> model -> loop (step, log line, eval, checkpoint) -> export.
 
     python train.py                                  # offline demo: tiny_world.py builds its world once
-    python train.py --target Qwen/Qwen3-4B --data chats.jsonl --plan     # memory plan, no weights loaded
+    python train.py --target Qwen/Qwen3-4B --dry-run # the untrained export and its serving commands
     torchrun --nproc_per_node=8 train.py ...         # data parallel: one frozen target per rank
 
-Outputs under --out-dir: checkpoint/ (servable export, §7), resume.pt, metrics.jsonl and
-curves.png (checkpoint.py), and target_features/ when the target's features are cached on
-disk. A row's place in the data stream fixes its order and its anchor draws, so a resumed
+The jobs around training have their own scripts: regenerate.py (on-policy data) and
+memory.py (the memory plan; on a GPU train.py stops a batch it says does not fit). Outputs
+under --out-dir: checkpoint/ (servable export, §7), resume.pt, metrics.jsonl and curves.png
+(checkpoint.py), and target_features/ when the target's features are cached on disk. A row's
+place in the data stream fixes its order and its anchor draws, so a resumed
 run repeats the uninterrupted one exactly.
 """
 import argparse
@@ -23,19 +25,25 @@ import torch.distributed as dist
 import transformers
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
-                     check_target_view,
                      dflash2_metrics, loss_from_sums, loss_sums, sample_anchors, spec_generate)
-from memory import check_fits, format_plan, memory_plan
+from memory import GiB, check_fits, memory_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
-from data import collate, load_rows, parse_template_kwargs, read_conversations
-from regenerate import regenerate_file
-from target import (TargetFeatures, choose_mask_token, decoding_dtype, is_gguf, load_config, target_features,
-                    load_target, load_tokenizer, training_dtype)
+from data import collate, load_rows, parse_template_kwargs
+from target import (TargetFeatures, check_target_view, choose_mask_token, decoding_dtype, is_gguf, load_config,
+                    target_features, load_target, load_tokenizer, training_dtype)
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
 # arguments
+
+# settings nobody needs to turn: the write-up's (ALGORITHM.md §6)
+TINY_PRETRAIN_STEPS = 600  # pretraining steps of the offline tiny target (its cache is per value)
+WARMUP = 0.04              # warmup fraction of the steps, then cosine to 0
+WEIGHT_DECAY = 0.0         # AdamW
+GRAD_CLIP = 1.0            # max gradient norm
+GAMMA = None               # slot weight decay w_k = exp(-(k-1)/γ); None: 4/5/7 for B = 8/10/16
+ALPHA = 1.0                # weight of the selector loss
 
 
 def at_least(low, kind=int, strict=False):
@@ -97,15 +105,12 @@ def parse_args(argv=None):
                    "memory if they fit in half the free memory, else disk, and off when no row is used twice")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="the offline world (tokenizer, tiny target, on-policy conversations)")
-    g.add_argument("--tiny-pretrain-steps", type=at_least(1), default=600,
-                   help="pretraining steps of the offline tiny target (cached per value)")
     g = p.add_argument_group("drafter")
     g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
     g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
     g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
                    help="comma-separated target layers feeding the context; unset: the ALGORITHM.md §1 rule")
     g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--conv-group-size", type=at_least(1), default=16, help="channels per dynamic coefficient G")
     g.add_argument("--selector-rank", type=at_least(1), default=256, help="candidate selector rank R")
     g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
     g.add_argument("--selector-codebooks", default="free", choices=["free", "factored"],
@@ -119,9 +124,6 @@ def parse_args(argv=None):
                    "over the flags above, except that a DFlash (v1) one gains this run's convolution and selector")
     g = p.add_argument_group("loss")
     g.add_argument("--loss", default="kl", choices=["kl", "ce"], help="unary loss: forward KL or CE on target argmax")
-    g.add_argument("--gamma", type=at_least(0, float, strict=True),
-                   help="slot weight decay w_k = exp(-(k-1)/γ); unset: 4/5/7 for B=8/10/16")
-    g.add_argument("--alpha", type=at_least(0, float), default=1.0, help="weight of the selector loss")
     g.add_argument("--selector-labels", default="argmax", choices=["argmax", "soft"], help="selector loss against "
                    "the target's argmax (the write-up's) or its whole distribution over the candidates (§6)")
     g.add_argument("--soft-labels-at", type=sampling_setting, metavar="T[,TOP_P[,TOP_K]]",
@@ -133,10 +135,6 @@ def parse_args(argv=None):
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
-    g.add_argument("--warmup", type=at_least(0, float), default=0.04,
-                   help="warmup fraction of the steps, then cosine to 0")
-    g.add_argument("--weight-decay", type=at_least(0, float), default=0.0, help="AdamW weight decay")
-    g.add_argument("--grad-clip", type=at_least(0, float), default=1.0, help="max gradient norm (0 disables)")
     g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward: "
                    "activation memory of one layer instead of all")
     g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
@@ -147,7 +145,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("run")
     g.add_argument("--out-dir", default="out", help="checkpoint/, resume.pt, metrics.jsonl, curves.png (and "
                    "target_features/ with --cache-target-features disk) go here")
-    g.add_argument("--seed", type=int, default=0, help="drafter init, data order, anchor draws and sampled regeneration")
+    g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
     g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines")
     g.add_argument("--eval-every", type=at_least(0), default=0, help="steps between evaluations (0: only at the end)")
     g.add_argument("--save-every", type=at_least(0), default=200, help="steps between checkpoints (0: only at the end)")
@@ -160,25 +158,9 @@ def parse_args(argv=None):
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
     g.add_argument("--dry-run", action="store_true", help="write the untrained export of this target and drafter "
                    "shape to --out-dir/checkpoint, print the engines' serving commands for it, then exit")
-    g.add_argument("--plan", action="store_true", help="print the estimated peak GPU memory (from the target's "
-                   "config, no weights) and the largest --batch-size that fits, then exit")
-    g.add_argument("--gpu-memory-gib", type=at_least(0, float, strict=True), default=80.0,
-                   help="GPU memory the plan must fit; on a GPU a batch that does not fit stops the run early")
-    g = p.add_argument_group("regeneration (instead of training)")
-    g.add_argument("--regenerate", metavar="OUT.jsonl", help="write --data with every assistant turn replaced by "
-                   "the target's own answer, then exit; a killed run started again resumes")
-    g.add_argument("--regen-temperature", type=at_least(0, float), default=0.0, help="0: greedy answers")
-    g.add_argument("--regen-top-p", type=float, default=1.0, help="at a temperature > 0, draw from the most likely "
-                   "tokens whose probabilities first reach this sum, as serving's top-p does (1: all tokens)")
-    g.add_argument("--regen-top-k", type=at_least(0), default=0, help="at a temperature > 0, draw from the k most "
-                   "likely tokens, as serving's top-k does (0: all tokens)")
-    g.add_argument("--regen-max-new-tokens", type=at_least(1), default=2048, help="longest answer, in tokens")
-    g.add_argument("--regen-batch-size", type=at_least(1), default=16, help="conversations per generate batch")
     args = p.parse_args(argv)
     if args.soft_labels_at and args.selector_labels != "soft":
         p.error(f"--soft-labels-at {','.join(map(str, args.soft_labels_at))} needs --selector-labels soft")
-    if not 0 < args.regen_top_p <= 1:  # also refuses NaN
-        p.error(f"--regen-top-p {args.regen_top_p} must be in (0, 1]")
     return args
 
 
@@ -209,30 +191,9 @@ def mean_stats(all_stats):
 def row_anchors(loss_mask, max_anchors, seeds):
     """sample_anchors row by row, each row from its own seed: a row draws the same anchors
     whatever batch, rank or micro-step it lands in (resume and data parallel repeat them)."""
-    rows = [sample_anchors(m[None], max_anchors, torch.Generator().manual_seed(s)) for m, s in zip(loss_mask, seeds)]
-    N = max(a.shape[1] for a, _ in rows)
-    anchors = torch.zeros(len(rows), N, dtype=torch.long, device=loss_mask.device)
-    valid = torch.zeros(len(rows), N, dtype=torch.bool, device=loss_mask.device)
-    for i, (a, v) in enumerate(rows):
-        anchors[i, :a.shape[1]], valid[i, :v.shape[1]] = a[0], v[0]
-    return anchors, valid
-
-
-def plan(args, device, log):
-    """The memory plan of this run from the target's config alone (no weights, no data):
-    --plan prints it; on a GPU a batch it says cannot fit stops the run here."""
-    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    estimate = memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
-                           args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib,
-                           num_layers=args.num_layers, block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
-                           conv_group_size=args.conv_group_size, selector_rank=args.selector_rank,
-                           selector_top_k=args.selector_top_k, selector_codebooks=args.selector_codebooks,
-                           **layer_ids)
-    if args.plan:
-        log(format_plan(estimate))
-    elif device.type == "cuda":
-        check_fits(estimate)
-    return estimate
+    drawn = [sample_anchors(m[None], max_anchors, torch.Generator().manual_seed(s)) for m, s in zip(loss_mask, seeds)]
+    # each row's draw is sample_anchors' (1, N_i) with its padding; pad the rows to the longest the same way
+    return tuple(torch.nn.utils.rnn.pad_sequence([x[0] for x in part], batch_first=True) for part in zip(*drawn))
 
 
 def anchor_seed(seed, place):
@@ -243,7 +204,7 @@ def anchor_seed(seed, place):
 
 def loss_config(args, accept_at=None):
     """The loss flags as dflash2.LossConfig (checked once); accept_at: the acceptance metrics' setting."""
-    return LossConfig(loss_type=args.loss, gamma=args.gamma, alpha=args.alpha, selector_labels=args.selector_labels,
+    return LossConfig(loss_type=args.loss, gamma=GAMMA, alpha=ALPHA, selector_labels=args.selector_labels,
                       soft_labels_at=args.soft_labels_at, accept_at=accept_at, chunk_size=args.loss_chunk or None)
 
 
@@ -373,13 +334,25 @@ def start_ranks():
     return world, rank, device, (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
 
 
+def check_memory(args, device):
+    """On a GPU: the memory plan of this run (memory.py, from the target's config alone) against
+    the device's memory; a batch it says does not fit stops the run before any weight loads."""
+    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    check_fits(memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                           args.loss_chunk or None, args.grad_checkpoint,
+                           torch.cuda.get_device_properties(device).total_memory / GiB, num_layers=args.num_layers,
+                           block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
+                           selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                           selector_codebooks=args.selector_codebooks, **layer_ids))
+
+
 def offline_world(args, world, rank, log):
     """Unset --target / --data: the tiny world's. Rank 0 builds it, the others then read its cache."""
     if args.target is not None and (args.data is not None or args.dry_run):
         return
     if rank:
         dist.barrier()
-    target_path, data_path = tiny_world(args.cache_dir, args.tiny_pretrain_steps, log)
+    target_path, data_path = tiny_world(args.cache_dir, TINY_PRETRAIN_STEPS, log)
     if rank == 0 and world > 1:
         dist.barrier()
     args.target, args.data = args.target or target_path, args.data or data_path
@@ -391,9 +364,8 @@ def build_drafter(args, tokenizer, target_config, rows, log):
     shape before its weights load. The target's embedding and lm_head are borrowed, frozen.
     rows: the training rows, whose ids the mask token must avoid (None: not read, --dry-run)."""
     torch.manual_seed(args.seed)
-    parts = dict(conv_kernel_size=args.conv_kernel_size, conv_group_size=args.conv_group_size,
-                 selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-                 selector_codebooks=args.selector_codebooks)
+    parts = dict(conv_kernel_size=args.conv_kernel_size, selector_rank=args.selector_rank,
+                 selector_top_k=args.selector_top_k, selector_codebooks=args.selector_codebooks)
     if args.init_from:
         drafter = load_export(args.init_from, num_target_layers=target_config.num_hidden_layers)
         if not drafter.config.is_dflash2:  # DFlash (v1): this run's convolution and selector join at identity
@@ -425,37 +397,87 @@ def served_target(target):
     return "ORIGINAL_MODEL" if is_gguf(target) else target
 
 
-def export_options(args, target_config, embedding=None):
-    """save_export's dtype, format and verifier (the speculators format names it) for this run;
+def export_options(dtype, export_format, target, target_config, embedding=None):
+    """save_export's dtype, format and verifier (the speculators format names it) for --target;
     embedding: the target's input embedding (factored codebooks are exported as tables of it)."""
-    return dict(dtype=getattr(torch, args.export_dtype), export_format=args.export_format,
-                verifier={"name_or_path": served_target(args.target),
+    return dict(dtype=getattr(torch, dtype), export_format=export_format,
+                verifier={"name_or_path": served_target(target),
                           "architectures": list(getattr(target_config, "architectures", None) or [])},
                 embedding=embedding)
 
 
-def dry_run(drafter, args, target_config, log):
-    """--dry-run: the untrained export of this target and drafter shape, to check that a serving
-    engine loads it before any training; no data and no target weights are read. Factored
-    codebooks' tables need the target's embedding: they are written as free tables at their init,
-    which score as the untrained factored selector does (successor side 0: the unary logits)."""
+def dry_run(drafter, target, out_dir, export, log):
+    """--dry-run: the untrained export (export_options) of this target and drafter shape, to check
+    that a serving engine loads it before any training; no data and no target weights are read.
+    Factored codebooks' tables need the target's embedding: they are written as free tables at
+    their init, which score as the untrained factored selector does (successor side 0: the unary logits)."""
     if drafter.config.selector_codebooks == "factored":
         drafter = with_parts(drafter, selector_codebooks="free")  # all but W_A, W_B
-    path = os.path.abspath(os.path.join(args.out_dir, "checkpoint"))
-    save_export(drafter, path, **export_options(args, target_config))
-    served = served_target(args.target)
-    if served != args.target:
-        where = ("the commands below" if args.export_format == "z-lab" else
+    path = os.path.abspath(os.path.join(out_dir, "checkpoint"))
+    save_export(drafter, path, **export)
+    export_format, served = export["export_format"], served_target(target)
+    if served != target:
+        where = ("the commands below" if export_format == "z-lab" else
                  "the export's config.json (speculators_config.verifier.name_or_path)")
-        log(f"--target {args.target} is a GGUF file: in {where} put the hub id or folder of the model it was "
+        log(f"--target {target} is a GGUF file: in {where} put the hub id or folder of the model it was "
             "converted from in place of ORIGINAL_MODEL (the export fits the same weights in any format)")
-    engines = ("one of" if args.export_format == "z-lab" else
+    engines = ("one of" if export_format == "z-lab" else
                "vLLM, which reads the target from it (SGLang and the dflash package read --export-format z-lab)")
-    log(f"untrained export (B = {drafter.config.block_size}, {args.export_format} format) in {path}; serve it with "
+    log(f"untrained export (B = {drafter.config.block_size}, {export_format} format) in {path}; serve it with "
         f"{engines}:")
-    for command in serving_commands(served, path, drafter.config.block_size, args.export_format):
+    for command in serving_commands(served, path, drafter.config.block_size, export_format):
         log(command)
     return {"export": path}
+
+
+def load_checked_target(target, dtype_flag, c, first_row, device, log):
+    """The frozen target in the training dtype (logged, with why), checked against the drafter's
+    config c: its tables and the mask token, then its forward on the first training row's start."""
+    dtype, why = training_dtype(dtype_flag, device)
+    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
+        + f": {why}")
+    model = load_target(target, dtype_flag, device)
+    check_target(c, model)
+    check_target_view(c, model, torch.as_tensor(first_row[:128])[None].to(device))
+    return model
+
+
+def split_rows(dataset, val_size, data):
+    """-> (training rows, validation rows): the last val_size rows of --data validate."""
+    if len(dataset) <= val_size:
+        raise ValueError(f"--data {data}: {len(dataset)} usable rows, need more than --val-size {val_size}")
+    n_train = len(dataset) - val_size
+    return dataset.select(range(n_train)), dataset.select(range(n_train, len(dataset)))
+
+
+def data_stream(train_rows, seed, batch_size, grad_accum, world, rank, pad_token_id, device):
+    """The data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its slice
+    of every global batch, so the step alone says where the data stands. -> micro_batch(step,
+    micro): the batch, its training rows' indices and their anchor seeds (from their places)."""
+    global_batch = batch_size * grad_accum * world
+
+    @lru_cache(maxsize=2)
+    def epoch_order(epoch):
+        return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+    def micro_batch(step, micro):
+        start = step * global_batch + (micro * world + rank) * batch_size
+        places = range(start, start + batch_size)
+        idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in places]
+        return collate(train_rows[idx], pad_token_id, device), idx, [anchor_seed(seed, i) for i in places]
+    return micro_batch
+
+
+def average_over_ranks(params, step_loss, world):
+    """Data parallel: each gradient becomes the mean of the ranks' (the global batch's, with
+    loss_step's weights); -> the step's loss averaged the same way, for the log line."""
+    for p in params:
+        if p.grad is None:  # a part no counted slot of this rank reached
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad /= world
+    dist.all_reduce(step_loss)
+    return step_loss / world
 
 
 def check_replicas(params, world, log):
@@ -466,6 +488,15 @@ def check_replicas(params, world, log):
     if any(not torch.equal(s, every[0]) for s in every):
         raise RuntimeError("drafter replicas diverged across ranks")
     log(f"replicas agree: parameter checksum {float(every[0].sum()):.12e} on {world} ranks")
+
+
+def step_line(step, total, loss, s, lr, tokens_per_second, eta):
+    """A logged step's line; s: its stats (rank 0's micro-batches; "-": selector off), loss: all ranks'."""
+    f = lambda k, spec: format(s[k], spec) if k in s else "-"
+    return (f"step {step:>5}/{total} | loss {loss:.4f} unary {s['unary_loss']:.4f} sel {f('selector_loss', '.4f')} | "
+            f"slot acc {' '.join(f'{a:.2f}' for a in s['slot_acc'])} | AL unary {s['al_unary']:.2f} walk "
+            f"{f('al_walk', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | {tokens_per_second:.0f} tok/s | "
+            f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
 
 
 # -----------------------------------------------------------------------------
@@ -479,13 +510,8 @@ def train(args):
     resume_file = os.path.join(args.out_dir, "resume.pt")
     if args.resume and not os.path.isfile(resume_file):
         raise ValueError(f"--resume: {resume_file} not found")
-    if args.plan and not args.target:  # the offline world would be built (a target trained) to print its plan
-        raise ValueError("--plan reads the memory plan off the target's config: name one with --target (a model "
-                         "folder, hub id or .gguf file); the offline demo's tiny target needs no plan")
-    if args.target and (args.plan or device.type == "cuda"):  # the memory plan: the target's config is enough
-        estimate = plan(args, device, log)
-        if args.plan:
-            return {"plan": estimate}
+    if args.target and device.type == "cuda":  # the memory plan: the target's config is enough
+        check_memory(args, device)
     offline_world(args, world, rank, log)
 
     # tokenizer, target config, drafter, data: every shape or data problem surfaces before the
@@ -493,74 +519,53 @@ def train(args):
     tokenizer = load_tokenizer(args.target, args.chat_template)
     target_config = load_config(args.target)
     if args.dry_run:
-        return dry_run(build_drafter(args, tokenizer, target_config, None, log), args, target_config, log)
-    rows = load_rows(args.data, args.data_split, tokenizer, args.seq_len, drop_bad=args.drop_bad_rows, log=log,
-                     template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
-    drafter = build_drafter(args, tokenizer, target_config, rows, log)
-    if len(rows) <= args.val_size:
-        raise ValueError(f"--data {args.data}: {len(rows)} usable rows, need more than --val-size {args.val_size}")
-    train_rows, val = rows.select(range(len(rows) - args.val_size)), rows.select(range(len(rows) - args.val_size, len(rows)))
+        return dry_run(build_drafter(args, tokenizer, target_config, None, log), args.target, args.out_dir,
+                       export_options(args.export_dtype, args.export_format, args.target, target_config), log)
+    dataset = load_rows(args.data, args.data_split, tokenizer, args.seq_len, drop_bad=args.drop_bad_rows, log=log,
+                        template_kwargs=parse_template_kwargs(args.chat_template_kwargs))
+    drafter = build_drafter(args, tokenizer, target_config, dataset, log)
+    train_rows, val = split_rows(dataset, args.val_size, args.data)
     global_batch = args.batch_size * args.grad_accum * world
     total = math.ceil(args.epochs * len(train_rows) / global_batch) if args.epochs else args.steps
-    warmup = max(1, round(args.warmup * total))
+    warmup = max(1, round(WARMUP * total))
     run = run_identity(target_config, drafter.config, train_rows, args.seq_len, {
         "steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch, "world": world, "seed": args.seed})
     state = check_resume(resume_file, run) if args.resume else None
 
-    dtype, why = training_dtype(args.dtype, device)
-    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
-        + f": {why}")
-    target = load_target(args.target, args.dtype, device)
-    check_target(drafter.config, target)  # the loaded tables themselves, and the mask token
-    check_target_view(drafter.config, target, torch.as_tensor(train_rows[0]["input_ids"][:128])[None].to(device))
+    target = load_checked_target(args.target, args.dtype, drafter.config, train_rows[0]["input_ids"], device, log)
     meta = {"run": run, "target_weights": weights_fingerprint(target)}
     drafter.to(device).grad_checkpoint = args.grad_checkpoint
     params = list(drafter.parameters())
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=WEIGHT_DECAY)
     step = resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
     for p in params if world > 1 else ():  # data parallel: every replica starts from rank 0's weights
         dist.broadcast(p.data, 0)
     os.makedirs(args.out_dir, exist_ok=True)
     c, loss_cfg = drafter.config, loss_config(args)
     features = feature_cache(args, target, c, train_rows, total * global_batch, log)
+    export = export_options(args.export_dtype, args.export_format, args.target, target_config,
+                            target.get_input_embeddings())
     log(f"target {args.target} ({sum(p.numel() for p in target.parameters()) / 1e6:.1f}M, {target.dtype}) | drafter "
         f"{sum(p.numel() for p in params) / 1e6:.2f}M, {c.num_layers} layers, B={c.block_size}, target layers "
         f"{c.target_layer_ids}, mask token {c.mask_token_id} | data {args.data}: {len(train_rows)} train / {len(val)} "
         f"val rows | {world} rank(s) on {device.type} | out {os.path.abspath(args.out_dir)}")
-
-    # the data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its
-    # slice of every global batch, so the step alone says where the data stands
-    @lru_cache(maxsize=2)
-    def epoch_order(epoch):
-        return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(args.seed + epoch)).tolist()
-
-    def micro_batch(step, micro):
-        """-> the batch, its training rows and their places in the data stream (which seed their anchors)."""
-        start = step * global_batch + (micro * world + rank) * args.batch_size
-        places = range(start, start + args.batch_size)
-        idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in places]
-        return collate(train_rows[idx], tokenizer.pad_token_id, device), idx, [anchor_seed(args.seed, i) for i in places]
+    micro_batch = data_stream(train_rows, args.seed, args.batch_size, args.grad_accum, world, rank,
+                              tokenizer.pad_token_id, device)
 
     losses, summary, t_start, t_log, tokens, start_step = {}, {}, time.time(), time.time(), 0, step
     while step < total:
-        micro_stats, log_step = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
+        micro_stats, logged = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
-            batch, rows, seeds = micro_batch(step, micro)
-            inputs = step_inputs(target, batch, c.target_layer_ids, args.max_anchors, seeds, features, rows)
+            batch, row_ids, seeds = micro_batch(step, micro)
+            inputs = step_inputs(target, batch, c.target_layer_ids, args.max_anchors, seeds, features, row_ids)
             loss, terms = loss_step(drafter, target, inputs, loss_cfg, world > 1)
             (loss / args.grad_accum).backward()
-            micro_stats.append(step_stats(drafter, target, inputs, loss_cfg, terms) if log_step else terms)
+            micro_stats.append(step_stats(drafter, target, inputs, loss_cfg, terms) if logged else terms)
             tokens += int(batch[1].sum()) * world
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
-        if world > 1:  # the mean of the ranks' gradients is the global batch's (loss_step's weights)
-            for p in params:
-                if p.grad is None:  # a part no counted slot of this rank reached
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
-                p.grad /= world
-            dist.all_reduce(step_loss)  # for the log line
-            step_loss /= world
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf"))
+        if world > 1:
+            step_loss = average_over_ranks(params, step_loss, world)
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         if not (torch.isfinite(step_loss) and torch.isfinite(grad_norm)):
             raise RuntimeError(f"step {step + 1}: loss {step_loss.item()} / gradient norm {grad_norm.item()} is not "
                                f"finite; stopped before the update, no checkpoint written for it. Lower --lr or use "
@@ -573,22 +578,16 @@ def train(args):
         step += 1
         losses[step] = step_loss.item()
 
-        if step % args.log_every == 0 or step == total:
+        if logged:
             s, now = mean_stats(micro_stats), time.time()
-            # loss: mean over all ranks; the other terms: rank 0's micro-batches ("-": selector off)
-            f = lambda k, spec: format(s[k], spec) if k in s else "-"
-            eta = (now - t_start) / (step - start_step) * (total - step)
-            log(f"step {step:>5}/{total} | loss {losses[step]:.4f} unary {s['unary_loss']:.4f} sel "
-                f"{f('selector_loss', '.4f')} | slot acc {' '.join(f'{a:.2f}' for a in s['slot_acc'])} | AL unary "
-                f"{s['al_unary']:.2f} walk {f('al_walk', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | "
-                f"{tokens / (now - t_log):.0f} tok/s | eta {int(eta // 60)}m{int(eta % 60):02d}s")
+            tok_s, eta = tokens / (now - t_log), (now - t_start) / (step - start_step) * (total - step)
+            log(step_line(step, total, losses[step], s, lr, tok_s, eta))
             if master:
                 record(args.out_dir, {"kind": "train", "step": step, **s, "loss": losses[step], "lr": lr,
-                                      "tokens_per_second": tokens / (now - t_log)})
+                                      "tokens_per_second": tok_s})
             t_log, tokens = now, 0
         if master and ((args.save_every and step % args.save_every == 0) or step == total):
-            save_checkpoint(drafter, optimizer, step, args.out_dir,
-                            export_options(args, target_config, target.get_input_embeddings()), meta)
+            save_checkpoint(drafter, optimizer, step, args.out_dir, export, meta)
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
         if master and ((args.eval_every and step % args.eval_every == 0) or step == total):
             summary = evaluate(drafter, target, tokenizer, val, args, device, log)
@@ -603,26 +602,9 @@ def train(args):
     return {**summary, "step": step, "losses": losses, "out_dir": args.out_dir, "target": args.target}
 
 
-def regenerate(args, log=print):
-    """--regenerate: the target answers every assistant turn of --data itself (on-policy data),
-    and the last user turn of a row that ends with one."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if not (args.target and args.data):
-        raise ValueError("--regenerate needs --target (who answers) and --data (the conversations)")
-    template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
-    read_conversations(args.data, args.data_split, log=log, need_answer=False)  # input errors before the weights
-    tokenizer = load_tokenizer(args.target, args.chat_template)
-    regenerate_file(load_target(args.target, args.dtype, device), tokenizer, args.data, args.regenerate,
-                    temperature=args.regen_temperature, top_p=args.regen_top_p, top_k=args.regen_top_k,
-                    max_new_tokens=args.regen_max_new_tokens,
-                    batch_size=args.regen_batch_size, template_kwargs=template_kwargs, log=log,
-                    split=args.data_split, seed=args.seed)
-    log(f"regenerated conversations in {os.path.abspath(args.regenerate)}")
-
-
 if __name__ == "__main__":
     args = parse_args()
     try:
-        regenerate(args) if args.regenerate else train(args)
+        train(args)
     except ValueError as e:  # bad input: one line, no traceback
         raise SystemExit(f"train.py: {e}") from None

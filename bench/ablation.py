@@ -182,7 +182,7 @@ def ablation(args, settings):
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
         base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16"]
     else:
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, defaults.tiny_pretrain_steps)
+        target_path, data_path = tiny_world.tiny_world(args.cache_dir, train.TINY_PRETRAIN_STEPS)
         base = ["--steps", str(args.steps)] if args.steps else []
     val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
     base = ["--target", target_path, "--data", data_path, "--cache-dir", args.cache_dir, "--val-size", str(val_size),

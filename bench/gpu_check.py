@@ -57,7 +57,7 @@ def pipeline(device, cache_dir, smoke, prompts=8, max_new_tokens=96):
                  "--eval-prompts", "1", "--eval-new-tokens", "8"]
         prompts, max_new_tokens = 2, 16
     else:
-        world, flags = tiny_world.tiny_world(cache_dir, train.parse_args([]).tiny_pretrain_steps), []
+        world, flags = tiny_world.tiny_world(cache_dir, train.TINY_PRETRAIN_STEPS), []
     with tempfile.TemporaryDirectory() as out:  # the run's files are not the check's output
         args = train.parse_args(["--target", world[0], "--data", world[1], "--cache-dir", cache_dir, "--out-dir", out,
                                  *flags])

@@ -786,11 +786,11 @@ def put_losses(put, drafter, target, batch, inp):
     w = torch.exp(-torch.arange(B - 1, dtype=torch.float) / dflash2.default_gamma(B)) * counted
     with torch.no_grad():
         h = blocks_forward(drafter, target, inp)[0].view(b, -1, B, H)[:, :, 1:]
-        unary, ref = dflash2.head_logits(lm_head, h), inp["target_logits"][rows, src]
-        kl, sel, in_c = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl")
-        ce = dflash2.slot_losses(h, unary, ref, prev, None, "ce")[0]
+        unary, ref = dflash2.target_logits(c, lm_head, h), inp["target_logits"][rows, src]
+        kl, sel, in_c = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl", fused=False)
+        ce = dflash2.slot_losses(h, unary, ref, prev, None, "ce", fused=False)[0]
         _, sel_soft, mass = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl",
-                                                selector_labels="soft")
+                                                selector_labels="soft", fused=False)
     z = lambda x: x * counted
     put("loss.slots.counted", counted,
         "(b, N, B−1) slot k of block j counts: valid anchor, t = a_j + k < S, loss_mask[t] = 1")

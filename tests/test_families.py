@@ -15,7 +15,7 @@ import checkpoint
 import dflash2
 import regenerate
 from conftest import argmax_loop
-from target import target_features
+from target import check_target_view, target_features
 from dflash2 import DFlash2Config, DFlash2Drafter, DraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -135,11 +135,11 @@ def test_the_drafter_reads_the_target_as_its_own_forward_does(family):
     got = {k: getattr(c, k) for k in VIEWS[family]}
     assert got == VIEWS[family], f"{family}: the transforms read from its config are {got}"
     ids = torch.randint(0, V - 1, (1, 10), generator=torch.Generator().manual_seed(0))
-    dflash2.check_target_view(c, target, ids)  # the family's own forward agrees
+    check_target_view(c, target, ids)  # the family's own forward agrees
     for field, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
         if got[field] != plain:  # the same target with one transform forgotten is refused, by family
             with pytest.raises(ValueError, match=f"the '{target.config.model_type}' target's"):
-                dflash2.check_target_view(dataclasses.replace(c, **{field: plain}), target, ids)
+                check_target_view(dataclasses.replace(c, **{field: plain}), target, ids)
 
 
 def test_a_transform_nobody_declares_is_refused_at_the_startup_check():
@@ -154,7 +154,7 @@ def test_a_transform_nobody_declares_is_refused_at_the_startup_check():
         return out
     target.forward = scaled_logits
     with pytest.raises(ValueError, match=r"the 'qwen3' target's logits differ .*relative difference 0.33"):
-        dflash2.check_target_view(c, target, ids)
+        check_target_view(c, target, ids)
 
 
 def test_the_block_embeddings_are_the_raw_rows_times_the_scale():
@@ -211,7 +211,7 @@ def test_the_family_decodes_losslessly_and_trains(family):
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, V - 1, (2, 24), generator=g)
     attention, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
-    dflash2.check_target_view(drafter.config, target, ids[:1])
+    check_target_view(drafter.config, target, ids[:1])
     context, last = target_features(target, ids, attention, drafter.config.target_layer_ids)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
@@ -222,7 +222,7 @@ def test_the_family_decodes_losslessly_and_trains(family):
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.detach().item())
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"{family}: losses {losses}"
 
 

@@ -1,8 +1,13 @@
-"""Tests of memory.py (the plan `train.py --plan` prints) and of the memory the loss
+"""Tests of memory.py (the plan `python memory.py` prints) and of the memory the loss
 allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
 table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
 and bad input. Nothing here needs a GPU or downloads anything.
 """
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -105,7 +110,7 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
         f"loss bytes by (anchors, chunk): {loss}; the chunked loss must not grow with the anchors"
     memory.check_fits(plan(batch_size=fits))
     with pytest.raises(ValueError, match=rf"batch size {fits + 1} needs about [0-9.]+ GiB per GPU, more than "
-                                         rf"--gpu-memory-gib 80; --batch-size {fits} fits"):
+                                         rf"the GPU's 80 GiB; --batch-size {fits} fits"):
         memory.check_fits(plan(batch_size=fits + 1))
     with pytest.raises(ValueError, match="not even one sequence fits: try --grad-checkpoint"):
         memory.check_fits(plan(gpu_memory_gib=10))
@@ -167,3 +172,44 @@ def test_factored_selector_trains_the_write_ups_two_million_parameters_at_qwen3_
     assert saved == want["free"] - want["factored"] and \
         plan["free"]["drafter_states"] - plan["factored"]["drafter_states"] == 16 * saved, \
         f"the plan counts {plan['free']['drafter_params']} / {plan['factored']['drafter_params']} drafter parameters"
+
+
+# -----------------------------------------------------------------------------
+# python memory.py
+
+
+def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_alone(tmp_path):
+    from transformers import Qwen3ForCausalLM
+    small = qwen3_config(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
+    small.save_pretrained(tmp_path)  # a config, no weights
+    lines = []
+    plan = memory.main(memory.parse_args(["--target", str(tmp_path), "--seq-len", "64", "--max-anchors", "8",
+                                          "--batch-size", "2", "--block-size", "4", "--gpu-memory-gib", "0.001"]),
+                       lines.append)
+    want = memory.memory_plan(small, 64, 8, 2, 1024, False, 0.001, num_layers=2, block_size=4, conv_kernel_size=2,
+                              selector_rank=256, selector_top_k=16, selector_codebooks="free")
+    assert plan == want, f"memory.py's plan {plan} is not memory_plan's for the same shape {want}"
+    assert lines == [memory.format_plan(want)] and "largest batch in 0.001 GiB:  0" in lines[0], lines
+    assert plan["target_weights"] == 2 * sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()), plan
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "the memory plan reads the target's config: name one with --target"),
+    (["--target", "t", "--gpu-memory-gib", "nan"], "--gpu-memory-gib nan must be > 0"),
+    (["--target", "t", "--gpu-memory-gib", "0"], "--gpu-memory-gib 0.0 must be > 0"),
+    (["--target", "t", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
+    (["--target", "t", "--max-anchors", "0"], "--max-anchors 0 must be >= 1"),
+    (["--target", "t", "--block-size", "1"], "--block-size 1 must be >= 2"),
+])
+def test_memory_script_refuses_bad_flags_in_one_line_before_reading_the_config(argv, message, monkeypatch):
+    monkeypatch.setattr(memory, "load_config", lambda target: pytest.fail(f"read the config of {target}"))
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        memory.main(memory.parse_args(argv), lambda *a: None)
+
+
+def test_memory_script_exits_with_one_line():
+    done = subprocess.run([sys.executable, "memory.py", "--seq-len", "8"], capture_output=True, text=True,
+                          cwd=os.path.dirname(memory.__file__))
+    assert done.returncode != 0 and done.stderr.strip().splitlines() == [
+        "memory.py: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
+        ".gguf file); the offline demo's tiny target needs no plan"], done.stderr

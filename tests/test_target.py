@@ -13,6 +13,7 @@ import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import checkpoint
+import regenerate
 import target
 import train
 from conftest import plain_greedy, tiny_drafter, tiny_qwen3
@@ -186,9 +187,9 @@ def llama(tmp_path_factory):
 def regenerated(llama):
     prompts, out = llama["root"] / "prompts.jsonl", llama["root"] / "chats.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
-    train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
-                                       "--regen-max-new-tokens", "12", "--regen-batch-size", "4",
-                                       "--dtype", "float32"]), log=lambda *a: None)
+    regenerate.main(regenerate.parse_args(["--target", llama["path"], "--data", str(prompts), "--out", str(out),
+                                           "--max-new-tokens", "12", "--batch-size", "4", "--dtype", "float32"]),
+                    log=lambda *a: None)
     return out
 
 
@@ -207,16 +208,16 @@ def test_regenerate_answers_every_prompt_with_the_targets_greedy_continuation(ll
 
 
 def test_regenerate_renders_with_the_chat_template_flag(llama, tmp_path):
-    """--regenerate answers the prompts as --chat-template renders them, not as the tokenizer's
+    """regenerate.py answers the prompts as --chat-template renders them, not as the tokenizer's
     own template does."""
     template = "{{ '<|im_start|>system\\nAnswer in French.<|im_end|>\\n' }}" + CHATML
     (tmp_path / "t.jinja").write_text(template)
     prompts, out = tmp_path / "prompts.jsonl", tmp_path / "chats.jsonl"
     prompts.write_text("".join(json.dumps({"messages": [{"role": "user", "content": p}]}) + "\n" for p in PROMPTS))
-    train.regenerate(train.parse_args(["--target", llama["path"], "--data", str(prompts), "--regenerate", str(out),
-                                       "--chat-template", str(tmp_path / "t.jinja"), "--regen-max-new-tokens", "6",
-                                       "--dtype", "float32"]),
-                     log=lambda *a: None)
+    regenerate.main(regenerate.parse_args(["--target", llama["path"], "--data", str(prompts), "--out", str(out),
+                                           "--chat-template", str(tmp_path / "t.jinja"), "--max-new-tokens", "6",
+                                           "--dtype", "float32"]),
+                    log=lambda *a: None)
     got = [json.loads(line)["messages"][1]["content"] for line in out.read_text().split("\n")[:-1]]
     tokenizer = transformers.AutoTokenizer.from_pretrained(llama["path"])
     model = transformers.AutoModelForCausalLM.from_pretrained(llama["path"], dtype=torch.float32).eval()
@@ -383,8 +384,8 @@ def test_dry_run_on_an_upper_case_gguf_name_prints_original_model(tmp_path):
     path.write_bytes(b"GGUF")
     target = tiny_qwen3(64)
     drafter, logs = tiny_drafter(target), []
-    train.dry_run(drafter, train.parse_args(["--target", str(path), "--dry-run", "--out-dir", str(tmp_path / "out"),
-                                             "--export-dtype", "float32"]), target.config, logs.append)
+    train.dry_run(drafter, str(path), tmp_path / "out", train.export_options("float32", "z-lab", str(path),
+                                                                           target.config), logs.append)
     commands = [line for line in logs if line.startswith(("vllm serve", "python -m sglang", "pip install"))]
     assert len(commands) == 3 and all("ORIGINAL_MODEL" in c and str(path) not in c for c in commands), "\n".join(logs)
 

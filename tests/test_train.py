@@ -379,14 +379,14 @@ def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 
 
-@pytest.mark.parametrize("sampling", [[], ["--regen-temperature", "1", "--regen-top-k", "1"]])
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--top-k", "1"]])
 def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampling):
     """Greedy, and sampled at top-k 1 (the flags reach the sampler: unfiltered, T = 1 draws others)."""
     data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
-    train.regenerate(train.parse_args(["--target", world["target"], "--data", data,
-                                       "--regenerate", str(tmp_path / "out.jsonl"), "--regen-max-new-tokens", "12",
-                                       *sampling]),
-                     log=lambda *a: None)
+    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", data, "--out",
+                                                         str(tmp_path / "out.jsonl"), "--max-new-tokens", "12",
+                                                         *sampling]),
+                           log=lambda *a: None)
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     tokenizer = train.load_tokenizer(world["target"], None)
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
@@ -404,12 +404,34 @@ def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatc
     asked = []
     monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append(split) or splits[split])
     out = tmp_path / "out.jsonl"
-    train.regenerate(train.parse_args(["--target", world["target"], "--data", "someone/chats", "--data-split",
-                                       "validation", "--regenerate", str(out), "--regen-max-new-tokens", "2"]),
-                     log=lambda *a: None)
+    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", "someone/chats",
+                                                         "--data-split", "validation", "--out", str(out),
+                                                         "--max-new-tokens", "2"]),
+                           log=lambda *a: None)
     prompts = [json.loads(line)["messages"][0]["content"] for line in out.read_text().split("\n")[:-1]]
     assert prompts == ["validation prompt 0", "validation prompt 1"], f"regenerated {prompts} (splits read: {asked})"
     assert set(asked) == {"validation"}, f"splits read: {asked}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out", None], "needs --target (who answers), --data (the conversations) and --out"),
+    (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature (-1.0) must be a finite number >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+    (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
+    (["--chat-template-kwargs", "{nope"], "--chat-template-kwargs"),
+])
+def test_regenerate_refuses_bad_flags_before_the_target_loads(world, tmp_path, monkeypatch, flags, message):
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}])
+    monkeypatch.setattr(regenerate_module, "load_target", lambda *a: pytest.fail("the target loaded"))
+    argv = ["--target", world["target"], "--data", data, "--out", str(tmp_path / "out.jsonl")]
+    if flags[1] is None:
+        argv = argv[:argv.index(flags[0])]
+    else:
+        argv += flags
+    with pytest.raises(ValueError, match=re.escape(message)):
+        regenerate_module.main(regenerate_module.parse_args(argv), log=lambda *a: None)
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkeypatch):
@@ -426,9 +448,9 @@ def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkey
 
     def run(name, seed):
         torch.manual_seed(len(generators))  # the global generator differs between runs: it must not be the one used
-        train.regenerate(train.parse_args(["--target", world["target"], "--data", data, "--regenerate",
-                                           str(tmp_path / name), "--regen-max-new-tokens", "12", "--regen-temperature",
-                                           "1", "--regen-batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
+        regenerate_module.main(regenerate_module.parse_args(
+            ["--target", world["target"], "--data", data, "--out", str(tmp_path / name), "--max-new-tokens", "12",
+             "--temperature", "1", "--batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
         return (tmp_path / name).read_text()
 
     first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
@@ -438,26 +460,15 @@ def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkey
     assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
 
 
-def test_plan_without_a_target_is_refused_in_one_line_without_building_the_offline_world(tmp_path, monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("--plan built the offline world")
-    monkeypatch.setattr(train, "tiny_world", refuse)
-    with pytest.raises(ValueError, match=r"^--plan reads the memory plan off the target's config: name one with "
-                                         r"--target"):
-        train.train(train.parse_args(["--plan", "--out-dir", str(tmp_path / "out"), "--cache-dir",
-                                      str(tmp_path / "cache")]))
-    assert not (tmp_path / "out").exists() and not (tmp_path / "cache").exists()
-
-
-def test_plan_prints_the_memory_plan_without_loading_weights_or_data(world, tmp_path, no_target_load, capsys):
-    args = train.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"), "--plan",
-                             "--gpu-memory-gib", "0.001", "--out-dir", str(tmp_path / "out")])
-    plan = train.train(args)["plan"]
-    out = capsys.readouterr().out
-    assert "estimated peak" in out and "largest batch in 0.001 GiB:  0" in out, out
-    assert plan["max_batch_size"] == 0 and not (tmp_path / "out").exists(), plan
-    with pytest.raises(ValueError, match="cannot read the target's config at .*nowhere"):
-        train.train(train.parse_args(["--target", str(tmp_path / "nowhere"), "--plan"]))
+def test_a_gpu_run_stops_a_batch_the_memory_plan_says_does_not_fit(world, monkeypatch):
+    """On a GPU, train.py's plan uses the device's own memory and stops a batch that does not fit
+    (the device properties are faked: the check needs only the target's config)."""
+    monkeypatch.setattr(train.torch.cuda, "get_device_properties",
+                        lambda device: type("Props", (), {"total_memory": 2 ** 20})())
+    args = train.parse_args(["--target", world["target"], "--batch-size", "3"])
+    with pytest.raises(ValueError, match=r"^batch size 3 needs about [0-9.]+ GiB per GPU, more than the GPU's "
+                                         r"0.000977 GiB; not even one sequence fits: try --grad-checkpoint"):
+        train.check_memory(args, torch.device("cuda"))
 
 
 def test_dry_run_writes_the_untrained_export_and_the_serving_commands(world, tmp_path, no_target_load, capsys):
@@ -586,7 +597,7 @@ def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path)
 
 def test_the_fused_unary_term_is_float32_under_bf16_autocast():
     """The step runs under bf16 autocast below a float32 target, where bmm would run in bf16:
-    dflash2.TargetLoss's KL term must still be the float64 formula's to float32 rounding. In
+    dflash2.FusedUnaryLoss's KL term must still be the float64 formula's to float32 rounding. In
     bf16 (8 bits of mantissa) its Σ_v p_v·r_v and Σ_v p_v·z_v, here about 5 each, would be off
     by ~0.02, far outside 1e-4."""
     torch.manual_seed(0)
@@ -594,7 +605,7 @@ def test_the_fused_unary_term_is_float32_under_bf16_autocast():
     p = torch.softmax(r.double(), -1)
     want = (p * (torch.log_softmax(r.double(), -1) - torch.log_softmax(z.double(), -1))).sum(-1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = dflash2.TargetLoss.apply(z, r, False)[0]
+        got = dflash2.FusedUnaryLoss.apply(z, r, False)[0]
     err = (got.double() - want).abs().max().item()
     assert got.dtype == torch.float32 and err < 1e-4, f"fused KL under bf16 autocast: {got.dtype}, off by {err:.3g}"
 
