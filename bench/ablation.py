@@ -5,7 +5,7 @@ of §3) with train.py's code against the
 offline tiny-world target, same data and steps, for several seeds; decode the same
 held-out prompts with spec_generate at each sampling setting (the selector drafters also
 with their selector switched off: the unary path of the same weights); measure the
-expected AL of the unary / selector / oracle top-K paths on validation blocks and the
+expected AL of the unary / walk / oracle top-K paths on validation blocks and the
 per-slot conditional acceptance. Every AL and every paired ratio (DFlash2 / DFlash,
 selector path / unary path, ...) comes with a 95% bootstrap interval that redraws both the
 training seeds and the prompts, so it covers the run-to-run spread of training as well as
@@ -311,7 +311,7 @@ def markdown(a):
              f"× {a['prompts']} held-out prompts], ≤ {a['max_new_tokens']} new tokens; tokens/s and target "
              f"forwards per token at {settings[0]}; autoregressive baseline "
              f"{a['autoregressive_tokens_per_s']:.1f} tok/s", "",
-             "| drafter | " + " | ".join(f"AL {t}" for t in settings) + " | expected AL unary / selector / oracle "
+             "| drafter | " + " | ".join(f"AL {t}" for t in settings) + " | expected AL unary / walk / oracle "
              f"(val) | T=1 acceptance unary / selector / top-K mass (val) | the same at {label(WRITE_UP)} (val) | "
              "oracle | selector tf-acc | tok/s | target fwd / token |", "|---|" + "---|" * (len(settings) + 7)]
     for name, s in a["summary"].items():
