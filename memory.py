@@ -149,6 +149,17 @@ def check_fits(plan):
                          f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python memory.py prints the plan)")
 
 
+def run_plan(args, gpu_memory_gib):
+    """The plan of a run from its parsed flags (train.py's shape flags, which memory.py's
+    parser shares by name) and the target's config."""
+    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
+    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                       args.loss_chunk or None, args.grad_checkpoint, gpu_memory_gib, num_layers=args.num_layers,
+                       block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
+                       selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
+                       selector_codebooks=args.selector_codebooks, **layer_ids)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description="The estimated peak GPU memory of a train.py run and the largest "
                                 "--batch-size that fits, from the target's config alone (no weights).",
@@ -188,12 +199,7 @@ def main(args, log=print):
                              ("--selector-rank", args.selector_rank, 1), ("--selector-top-k", args.selector_top_k, 0)):
         if value < low:
             raise ValueError(f"{flag} {value} must be >= {low}")
-    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    plan = memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
-                       args.loss_chunk or None, args.grad_checkpoint, args.gpu_memory_gib, num_layers=args.num_layers,
-                       block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
-                       selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-                       selector_codebooks=args.selector_codebooks, **layer_ids)
+    plan = run_plan(args, args.gpu_memory_gib)
     log(format_plan(plan))
     return plan
 

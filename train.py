@@ -26,7 +26,7 @@ import transformers
 
 from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
                      dflash2_metrics, loss_from_sums, loss_sums, sample_anchors, spec_generate)
-from memory import GiB, check_fits, memory_plan
+from memory import GiB, check_fits, run_plan
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
 from data import collate, load_rows, parse_template_kwargs
@@ -37,7 +37,7 @@ from tiny_world import tiny_world
 # -----------------------------------------------------------------------------
 # arguments
 
-# settings nobody needs to turn: the write-up's (ALGORITHM.md §6)
+# settings nobody needs to turn (the optimizer's and the loss's are the write-up's, ALGORITHM.md §6)
 TINY_PRETRAIN_STEPS = 600  # pretraining steps of the offline tiny target (its cache is per value)
 WARMUP = 0.04              # warmup fraction of the steps, then cosine to 0
 WEIGHT_DECAY = 0.0         # AdamW
@@ -337,13 +337,7 @@ def start_ranks():
 def check_memory(args, device):
     """On a GPU: the memory plan of this run (memory.py, from the target's config alone) against
     the device's memory; a batch it says does not fit stops the run before any weight loads."""
-    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    check_fits(memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
-                           args.loss_chunk or None, args.grad_checkpoint,
-                           torch.cuda.get_device_properties(device).total_memory / GiB, num_layers=args.num_layers,
-                           block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
-                           selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-                           selector_codebooks=args.selector_codebooks, **layer_ids))
+    check_fits(run_plan(args, torch.cuda.get_device_properties(device).total_memory / GiB))
 
 
 def offline_world(args, world, rank, log):
