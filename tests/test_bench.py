@@ -274,6 +274,7 @@ def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
 
 
 def test_real_world_requests_are_the_stdlibs_documented_public_functions(tmp_path, monkeypatch):
+    import ast
     import sysconfig
     lib = tmp_path / "lib"
     (lib / "pkg").mkdir(parents=True)
@@ -297,6 +298,12 @@ class Box:
     def open(self, lid):
         """{doc}"""
 
+async def fetch(url: str, *, retries=3) -> bytes:
+    """{doc}"""
+
+def quoted(x):
+    """{doc} It holds \\"\\"\\"three quotes\\"\\"\\"."""
+
 class _Private:
     def open(self, lid):
         """{doc}"""
@@ -308,11 +315,30 @@ class _Private:
     (lib / "broken.py").write_text("def (:\n")
     monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
     got = real.stdlib_requests()
-    want = {f"Write the Python function `mod.public(a, b=2, *rest, key=None)` of the standard library. It does this: "
-            f"{doc}",
-            f"Write the Python method `mod.Box.open(self, lid)` of the standard library. It does this: {doc}"}
+    shaped = lambda sig: real.HUMANEVAL_REQUEST.format(f'{sig}:\n    """{doc}\n    """\n')
+    want = [("mod", shaped("def public(a, b=2, *rest, key=None)")), ("mod", shaped("def open(self, lid)")),
+            ("mod", shaped("async def fetch(url: str, *, retries=3) -> bytes"))]
     assert sorted(got) == sorted(want), got
     assert got == real.stdlib_requests(), "the shuffle is not seeded"
+    wrapped = real.humaneval_shaped(ast.parse("def f(x):\n    pass").body[0], " ".join(["word"] * 40))
+    assert wrapped.splitlines()[1:] == ['    """' + " ".join(["word"] * 15), "    " + " ".join(["word"] * 15),
+                                        "    " + " ".join(["word"] * 10), '    """'], wrapped
+
+
+def test_held_out_modules_are_whole_and_about_the_size_asked():
+    """For every size asked and every seed the held-out set is whole modules with at least `rows`
+    requests and at most 1.5 × rows, the same again for the same seed; asked for more than the
+    modules can give within the bound, it says how many it found."""
+    sizes = {"a": 5, "b": 1, "c": 3, "d": 9, "e": 2, "f": 4}
+    requests = [(m, f"{m}{i}") for m, n in sizes.items() for i in range(n)]
+    for rows in (3, 6, 8):
+        for seed in range(5):
+            held = real.held_out_modules(requests, rows, seed)
+            n = sum(sizes[m] for m in held)
+            assert rows <= n <= 1.5 * rows and held <= set(sizes), (rows, seed, held)
+            assert held == real.held_out_modules(requests, rows, seed)
+    with pytest.raises(ValueError, match="modules give 24 held-out requests, fewer than 40"):
+        real.held_out_modules(requests, 40)
 
 
 def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):
@@ -332,12 +358,15 @@ def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):
 def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeypatch):
     """The training prompts are the running Python's standard library, answered by the target in
     the dtype --dtype auto picks: another Python, size or dtype builds (and caches) another
-    world; 0 prompts means all of them."""
+    world; 0 prompts means all of them. The held-out module's requests come last, never among
+    the training prompts."""
     import platform
     import regenerate
     import target
     monkeypatch.setattr(real, "package_file", lambda package, name: str(tmp_path / name))
-    monkeypatch.setattr(real, "stdlib_requests", lambda: ["write a", "write b", "write c"])
+    requests = [("a", "write a1"), ("b", "write b1"), ("a", "write a2"), ("c", "write c1"), ("b", "write b2")]
+    monkeypatch.setattr(real, "stdlib_requests", lambda: requests)
+    monkeypatch.setattr(real, "held_out_modules", lambda requests, rows: {"b"})
     monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(target, "load_target", lambda *a: None)
     monkeypatch.setattr(regenerate, "regenerate_file", lambda *a, **k: None)
@@ -346,12 +375,21 @@ def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeyp
                                     ("3.13.1", 0, torch.float32), ("3.13.1", 2, torch.bfloat16)):
         monkeypatch.setattr(platform, "python_version", lambda: version)
         monkeypatch.setattr(target, "training_dtype", lambda flag, device: (dtype, "why"))
-        world = os.path.dirname(real.real_world(str(tmp_path), prompts, 3, 1, log=lambda *a: None)[1])
-        worlds.append((os.path.basename(world), len(open(os.path.join(world, "prompts.jsonl")).readlines())))
-    assert worlds == [("real-smollm2-135m-python3.12.3-2prompts-3tokens-float32", 2),
-                      ("real-smollm2-135m-python3.13.1-2prompts-3tokens-float32", 2),
-                      ("real-smollm2-135m-python3.13.1-3prompts-3tokens-float32", 3),
-                      ("real-smollm2-135m-python3.13.1-2prompts-3tokens-bfloat16", 2)], worlds
+        _, chats, held_out = real.real_world(str(tmp_path), prompts, 2, 3, 1, log=lambda *a: None)
+        assert held_out == ["write b1", "write b2"]
+        rows = [json.loads(line)["messages"][0]["content"] for line in open(os.path.join(os.path.dirname(chats),
+                                                                                          "prompts.jsonl"))]
+        worlds.append((os.path.basename(os.path.dirname(chats)), len(held_out), rows))
+    name = "real-smollm2-135m-humaneval-shaped-python{}-{}+2prompts-3tokens-{}"
+    assert worlds == [(name.format("3.12.3", 2, "float32"), 2, ["write a1", "write a2", "write b1", "write b2"]),
+                      (name.format("3.13.1", 2, "float32"), 2, ["write a1", "write a2", "write b1", "write b2"]),
+                      (name.format("3.13.1", 3, "float32"), 2, ["write a1", "write a2", "write c1", "write b1",
+                                                                "write b2"]),
+                      (name.format("3.13.1", 2, "bfloat16"), 2, ["write a1", "write a2", "write b1", "write b2"])], \
+        worlds
+    with pytest.raises(ValueError, match="modules not held out give 3 documented functions, fewer than "
+                                         "--train-prompts 4"):
+        real.real_world(str(tmp_path), 4, 2, 3, 1, log=lambda *a: None)
 
 
 def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch):

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import checkpoint
 import dflash2
 import regenerate as regenerate_module
+import target as target_module
 import tiny_world
 import train
 from conftest import plain_greedy, tiny_qwen3
@@ -593,6 +594,37 @@ def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path)
     assert len(files) == 20, f"{len(files)} feature files for 20 training rows"
     assert off.keys() == disk.keys() and all(abs(off[s] - disk[s]) < 1e-5 * off[s] for s in off), \
         f"losses with the cache {disk} != without {off}"
+
+
+def test_runs_with_one_features_dir_share_it(world, tmp_path, monkeypatch):
+    """--features-dir: a second run (another drafter, another seed) on the same target, layers and
+    data reads every row from the first run's folder, without a target pass, and trains as it
+    would with no cache (to float rounding)."""
+    shared = ["--epochs", "1", "--cache-target-features", "disk", "--features-dir", str(tmp_path / "shared")]
+    train.train(args_for(world, tmp_path / "first", *shared))
+    off = train.train(args_for(world, tmp_path / "off", "--epochs", "1", "--seed", "3", "--conv-kernel-size", "0",
+                               "--cache-target-features", "off"))["losses"]
+
+    def no_target_pass(*a, **k):
+        raise AssertionError("the second run computed target features the shared folder holds")
+    monkeypatch.setattr(target_module, "target_features", no_target_pass)
+    got = train.train(args_for(world, tmp_path / "second", *shared, "--seed", "3", "--conv-kernel-size", "0"))["losses"]
+    assert not (tmp_path / "second" / "target_features").exists()
+    assert len(list((tmp_path / "shared").glob("row*.safetensors"))) == 20
+    assert got.keys() == off.keys() and all(abs(off[s] - got[s]) < 1e-5 * off[s] for s in off), (got, off)
+
+
+def test_the_learning_rate_warms_up_then_follows_a_cosine_down_to_its_floor():
+    """lr_at against the schedule's landmarks: the peak at the end of warmup, the mean of the peak
+    and the floor half-way through the decay, the floor at the last step, never below it."""
+    peak, total, warmup = 1e-3, 110, 10
+    for floor in (0.0, 0.1):
+        lrs = [train.lr_at(s, total, warmup, peak, floor) for s in range(total + 1)]
+        assert lrs[0] == peak / warmup and lrs[warmup - 1] == lrs[warmup] == peak
+        assert abs(lrs[60] - (peak + floor * peak) / 2) < 1e-12 and abs(lrs[total] - floor * peak) < 1e-12
+        assert all(a >= b >= floor * peak for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
+    with pytest.raises(SystemExit):
+        train.parse_args(["--lr-floor", "1.5"])
 
 
 def test_the_fused_unary_term_is_float32_under_bf16_autocast():
