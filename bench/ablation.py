@@ -34,7 +34,7 @@ import torch
 
 import checkpoint
 import dflash2
-from bench.common import mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
+from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
     "DFlash": ["--conv-kernel-size", "0", "--selector-top-k", "0"],
@@ -114,6 +114,19 @@ def without_selector(drafter):
     unary = unary.to(weight.device, weight.dtype)
     unary.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("candidate_selector.")})
     return unary.eval()
+
+
+def decoding_paths(name, out, selector_on, unary_paths=None):
+    """The exported drafter of run dir `out` -> {path label: drafter}: its own path (the walk with a
+    selector on, else the unary path: a partial variant exports as a full DFlash2 with its missing
+    part at the identity, §7, so +conv proposes as a drafter without a selector does) and, with a
+    selector on and the name in unary_paths (None: every name), also "<name>, unary path"."""
+    drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).eval()
+    unary = without_selector(drafter)
+    paths = {name: drafter if selector_on else unary}
+    if selector_on and (unary_paths is None or name in unary_paths):
+        paths[f"{name}, unary path"] = unary
+    return paths
 
 
 def spec_eval(drafter, target, prompts, args, setting, stop_id, progress=None):
@@ -233,13 +246,7 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
             t0 = time.time()
             train.train(run_args)
             train_seconds = time.time() - t0
-            # a partial variant exports as a full DFlash2 with its missing part at the identity (§7);
-            # +conv then proposes through its own unary path, as a drafter with no selector does
-            drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).eval()
-            unary = without_selector(drafter)
-            paths = {name: drafter} if run_args.selector_top_k else {name: unary}
-            if run_args.selector_top_k and (unary_paths is None or name in unary_paths):
-                paths[f"{name}, unary path"] = unary
+            paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
             at_write_up = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks,
                                       accept_at=WRITE_UP)
@@ -305,7 +312,6 @@ def summarize(a):
 
 
 def markdown(a):
-    ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
     settings = a["settings"]
     lines = [f"Ablation: real acceptance length, mean [95% bootstrap interval over {a['seeds']} training seed(s) "
              f"× {a['prompts']} held-out prompts], ≤ {a['max_new_tokens']} new tokens; tokens/s and target "
@@ -317,7 +323,7 @@ def markdown(a):
     for name, s in a["summary"].items():
         v = s.get("val", {})
         f = lambda *keys, at=v: " / ".join(f"{at[k]:.2f}" if k in at else "-" for k in keys) if at else ""
-        lines.append(f"| {name} | " + " | ".join(ci(*s[t]["al"]) for t in settings) +
+        lines.append(f"| {name} | " + " | ".join(ci_text(*s[t]["al"]) for t in settings) +
                      f" | {f('al_unary', 'al_walk', 'al_oracle')} | "
                      f"{f('accept_unary', 'accept_selector', 'mass_at_k')} | "
                      f"{f('accept_unary', 'accept_selector', 'mass_at_k', at=v.get('at_write_up'))} | "
@@ -333,7 +339,7 @@ def markdown(a):
     for key, what in RATIOS:
         for name, s in a["summary"].items():
             if key in s[settings[0]]:
-                lines.append(f"| {what.format(name)} | " + " | ".join(ci(*s[t][key]) for t in settings) + " |")
+                lines.append(f"| {what.format(name)} | " + " | ".join(ci_text(*s[t][key]) for t in settings) + " |")
     lines.append("")
     return "\n".join(lines)
 

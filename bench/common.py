@@ -115,6 +115,11 @@ def ratio_ci(x, y):
     return (x.mean() / y.mean()).item(), lo.item(), hi.item()
 
 
+def ci_text(mean, lo, hi):
+    """(mean, lo, hi) -> 'mean [lo, hi]', two decimals: how every report prints an interval."""
+    return f"{mean:.2f} [{lo:.2f}, {hi:.2f}]"
+
+
 def round_ratio_ci(x, y, n=2000, seed=0):
     """Per-round seconds x, y (same rounds, interleaved, so paired) -> (median of the per-round
     ratios x/y, lo, hi): a 95% bootstrap interval that redraws the rounds."""

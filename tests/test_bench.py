@@ -355,6 +355,17 @@ def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):
     assert real.humaneval_prompts() == want, real.humaneval_prompts()
 
 
+def test_the_validation_rows_must_be_the_held_out_requests():
+    """One for one and token for token: a dropped world row shifts a training row into validation
+    (refused, naming the row), and a missing row is refused too."""
+    rows = [torch.tensor([[1, 2, 3]]), torch.tensor([[4, 5]])]
+    real.check_held_out_rows(rows, [r.clone() for r in rows])
+    with pytest.raises(RuntimeError, match="validation row 1 is not held-out request 1"):
+        real.check_held_out_rows(rows, [rows[0], torch.tensor([[4, 6]])])
+    with pytest.raises(ValueError):
+        real.check_held_out_rows(rows[:1], rows)
+
+
 def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeypatch):
     """The training prompts are the running Python's standard library, answered by the target in
     the dtype --dtype auto picks: another Python, size or dtype builds (and caches) another
