@@ -185,9 +185,10 @@ def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chu
     dev = target.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size - 1, (batch_size, seq_len), generator=g).to(dev)
+    from train import make_optimizer
     fns = {}
     for name, d in drafters.items():
-        opt = torch.optim.AdamW(d.parameters(), lr=1e-6)
+        opt = make_optimizer(d.parameters(), lr=1e-6)
         fns[name] = lambda d=d, opt=opt: train_step(d, target, opt, ids, max_anchors, loss_chunk, g)
     return median_seconds(fns, repeats, warmup, device=dev)
 
@@ -220,6 +221,8 @@ def train_part(device, repeats, quick):
     interleaved; each step's floor is its product FLOPs at this machine's product rate."""
     import train
     from target import TargetFeatures, native_bf16_cpu
+    if device.type == "cpu":
+        train.keep_freed_memory()  # as train.py runs on a CPU
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -240,7 +243,7 @@ def train_part(device, repeats, quick):
         target = targets[dtype]
         torch.manual_seed(0)
         drafter = dflash2.DFlash2Drafter(c).to(device)
-        optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-6)
+        optimizer = train.make_optimizer(drafter.parameters(), lr=1e-6)
         cfg = dflash2.LossConfig(fused=fused)
         features = None
         if mode == "cached":
@@ -316,7 +319,8 @@ def _run(spec):
     target = random_target(**spec["target"])
     drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **spec["drafter"]))
     drafter.grad_checkpoint = spec["grad_checkpoint"]
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    from train import make_optimizer
+    optimizer = make_optimizer(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec["target"]["vocab"] - 1, (spec["batch_size"], spec["seq_len"]), generator=g)
     start = time.perf_counter()
