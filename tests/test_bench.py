@@ -9,6 +9,7 @@ import json
 import math
 import os
 import statistics
+import sys
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-from bench import ablation, common, cost, gpu_check, real
+from bench import ablation, common, cost, gpu_check, peer_cycle, real
 from conftest import tiny_qwen3
 
 
@@ -597,3 +598,17 @@ def test_gpu_check_records_a_failed_part_and_runs_the_others(tmp_path, monkeypat
     assert saved["pipeline"] == {"error": "RuntimeError: no world"} and saved["Qwen3-8B"]["plain"] == step, saved
     out = capsys.readouterr().out
     assert "pipeline    FAILED" in out and "50.0% of DFlash2's step" in out, out
+
+
+def test_peer_cycle_refuses_a_folder_without_an_export_then_a_missing_peer_before_any_work(tmp_path, monkeypatch):
+    """bench.peer_cycle's bad input, one line each before the target loads: an --export folder without
+    config.json, then (the folder fixed) the z-lab package missing, and a count below 1."""
+    args = peer_cycle.parse_args(["--export", str(tmp_path)])
+    with pytest.raises(ValueError, match=f"--export {tmp_path}: no config.json there"):
+        peer_cycle.measure(args)
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setitem(sys.modules, "dflash", None)  # `import dflash` raises ImportError
+    with pytest.raises(ValueError, match="the z-lab package is missing: pip install --no-deps dflash==0.1.0"):
+        peer_cycle.measure(args)
+    with pytest.raises(ValueError, match="--prompts 0: expected an integer >= 1"):
+        peer_cycle.parse_args(["--export", str(tmp_path), "--prompts", "0"])
