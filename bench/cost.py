@@ -182,10 +182,10 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
 def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chunk=1024, repeats=5, warmup=1):
     """Median seconds of one train_step per drafter, rounds interleaved; each drafter has
     its own AdamW, whose state the warm-up round creates. -> {name: seconds}."""
+    from train import make_optimizer
     dev = target.device
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, target.config.vocab_size - 1, (batch_size, seq_len), generator=g).to(dev)
-    from train import make_optimizer
     fns = {}
     for name, d in drafters.items():
         opt = make_optimizer(d.parameters(), lr=1e-6)
