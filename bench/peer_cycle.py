@@ -1,11 +1,12 @@
 """
 The decode cycle against the z-lab `dflash` package's own loop, side by side: one export loaded
 by both (checkpoint.load_export here, DFlash2DraftModel.from_pretrained there), the float32
-target bench.real trains against, its first HumanEval prompts at T = 0, the two loops alternating
-prompt by prompt after a warm-up pass of each, outputs checked identical token for token.
-target_generate (the target alone) runs beside them. Reports each loop's decode seconds per cycle
-(prefill excluded), the two cycles' ratio and spec_generate's speed over the target alone's, each
-with a paired 95% bootstrap interval over prompts, and the mean acceptance lengths.
+target bench.real trains against (from its cached world, built first if missing), its first
+HumanEval prompts at T = 0, and target_generate (the target alone) beside them; the three loops
+alternate prompt by prompt after a warm-up pass of each, outputs checked identical token for
+token. Reports each loop's decode seconds per cycle (prefill excluded), the two cycles' ratio
+and spec_generate's speed over the target alone's, each with a paired 95% bootstrap interval
+over prompts, and the mean acceptance lengths.
 
 python -m bench.peer_cycle --export bench_out/real/DFlash2-seed0/checkpoint
 (in a virtual environment that also has `pip install --no-deps dflash==0.1.0`)
@@ -31,7 +32,7 @@ def zlab_generate(model, target, prompt, max_new_tokens, stop_id):
     return new, out.time_per_output_token * out.num_output_tokens, len(out.acceptance_lengths)
 
 
-def ours(drafter, target, prompt, max_new_tokens, stop_id):
+def dflash2_generate(drafter, target, prompt, max_new_tokens, stop_id):
     """spec_generate, or target_generate with drafter None (a cycle is then a plain step)."""
     if drafter is None:
         new, stats = dflash2.target_generate(target, prompt, max_new_tokens, stop_token_ids=[stop_id])
@@ -60,9 +61,9 @@ def measure(args, log=print):
                                                       return_tensors="pt", return_dict=True)["input_ids"]
     prompts = [chat(text) for _, text in real.humaneval_prompts()[:args.prompts]]
     stop = tokenizer.eos_token_id
-    loops = {"dflash2": lambda p: ours(drafter, target, p, args.max_new_tokens, stop),
+    loops = {"dflash2": lambda p: dflash2_generate(drafter, target, p, args.max_new_tokens, stop),
              "z-lab": lambda p: zlab_generate(peer, target, p, args.max_new_tokens, stop),
-             "target alone": lambda p: ours(None, target, p, args.max_new_tokens, stop)}
+             "target alone": lambda p: dflash2_generate(None, target, p, args.max_new_tokens, stop)}
     for run in loops.values():
         run(prompts[0])  # first calls allocate and pick kernels
     per_cycle, seconds = ({name: [] for name in loops} for _ in range(2))
