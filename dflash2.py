@@ -646,7 +646,7 @@ class FusedUnaryLoss(torch.autograd.Function):
     """slot_losses' unary term (§6) in few passes over V, with its gradient written out:
         kl = Σ_v p_v·(r_v − z_v) − lse(r) + lse(z),   ce = lse(z) − z_y,   ∂/∂z = softmax(z) − π
     z / r (n, V) drafter / target logits (finite: lm_head outputs), p = softmax(r), π = p (kl) or one-hot(y) (ce),
-    y = argmax r; lse(x) = max x − log max softmax(x), exact as that entry is >= 1/V. Six passes forward, two in
+    y = argmax r; lse(x) = max x − log max softmax(x), exact as that entry is >= 1/V. Seven passes forward, two in
     place backward (autograd: about ten each way). -> (term (n,), p (n, V) or None for ce, y (n,))."""
     @staticmethod
     def forward(ctx, z, r, hard):
