@@ -14,7 +14,6 @@ place in the data stream fixes its order and its anchor draws, so a resumed
 run repeats the uninterrupted one exactly.
 """
 import argparse
-import ctypes
 import math
 import os
 import time
@@ -456,17 +455,6 @@ def make_optimizer(params, lr):
     return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
 
 
-def keep_freed_memory():
-    """On a CPU, let every later allocation reuse freed memory. glibc hands a block over 32 MB back to the
-    system when it is freed, so each step's (slots x V) logits would fault in freshly zeroed pages again
-    (about 50 ms per 350 MB on the AMX Xeon, a quarter of the cached bf16 step). Memory held is the step's
-    peak. Elsewhere than glibc (mallopt missing), nothing changes."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
-    if mallopt is not None:
-        mallopt(-4, 0)          # M_MMAP_MAX: no block gets its own mapping
-        mallopt(-1, 2**31 - 1)  # M_TRIM_THRESHOLD: keep the freed top of the heap
-
-
 def split_rows(dataset, val_size, data):
     """-> (training rows, validation rows): the last val_size rows of --data validate."""
     if len(dataset) <= val_size:
@@ -537,8 +525,6 @@ def train(args):
         raise ValueError(f"--resume: {resume_file} not found")
     if args.target and device.type == "cuda":  # the memory plan: the target's config is enough
         check_memory(args, device)
-    if device.type == "cpu":
-        keep_freed_memory()
     offline_world(args, world, rank, log)
 
     # tokenizer, target config, drafter, data: every shape or data problem surfaces before the

@@ -780,28 +780,3 @@ def test_the_fused_optimizer_takes_the_loop_over_tensors_steps():
     for a, b, w in zip(fused, loop, weights):
         assert not torch.equal(a, w) and torch.allclose(a, b, atol=1e-6), f"fused off by {(a - b).abs().max():.3g}"
 
-
-KEEP_FREED_PROBE = """
-import resource, sys, torch, train
-if sys.argv[1] == "keep":
-    train.keep_freed_memory()
-faults = []
-for _ in range(8):
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.empty(2 ** 24).fill_(1.0)  # 64 MB, freed at once
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-print(sorted(faults[2:])[3])  # the median of the last six
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux") or os.confstr("CS_GNU_LIBC_VERSION") is None,
-                    reason="mallopt is glibc's")
-def test_keep_freed_memory_reuses_a_freed_64_mb_block_without_page_faults():
-    """A 64 MB tensor made and freed eight times in a fresh process: by default each one faults its 16,384
-    pages in anew (glibc gave the last one back to the system); after train.keep_freed_memory, once the
-    heap has grown, they reuse a freed block (the median of the last six's minor page faults, counted by
-    the kernel)."""
-    faults = {mode: int(subprocess.run([sys.executable, "-c", KEEP_FREED_PROBE, mode], capture_output=True, text=True,
-                                       check=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-                        .stdout.split()[-1]) for mode in ("keep", "default")}
-    assert faults["default"] > 15000 and faults["keep"] < 1000, f"page faults of a 64 MB tensor: {faults}"
