@@ -650,7 +650,7 @@ class FusedUnaryLoss(torch.autograd.Function):
     place backward (autograd: about ten each way). -> (term (n,), p (n, V) or None for ce, y (n,))."""
     @staticmethod
     def forward(ctx, z, r, hard):
-        with torch.autocast(z.device.type, enabled=False):  # all of it in the logits' float32
+        with torch.autocast(z.device.type, enabled=False):  # none of it in bf16
             r_max, label = r.max(-1, keepdim=True)
             q = torch.softmax(z, dim=-1)
             lse_z = z.amax(-1) - q.amax(-1).log()  # amax: a third of max(dim)'s time on a CPU, no indices
@@ -659,7 +659,7 @@ class FusedUnaryLoss(torch.autograd.Function):
             else:
                 p = torch.softmax(r, dim=-1)
                 lse_r = (r_max - p.gather(-1, label).log()).squeeze(-1)
-                # Σ_v a_v·b_v, 64 rows at a time: twice bmm's speed on a CPU, no (n, V) product at the loss's peak
+                # Σ_v a_v·b_v, 64 rows at a time: twice bmm's speed on a CPU, no (n, V) temporary at the peak
                 dot = lambda a, b: torch.cat([torch.linalg.vecdot(x, y) for x, y in zip(a.split(64), b.split(64))])
                 term = dot(p, r) - dot(p, z) - lse_r + lse_z
             ctx.save_for_backward(q, p if p is not None else label)

@@ -1140,7 +1140,8 @@ def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
     """LossConfig.fused (FusedUnaryLoss: the KL / CE and their gradient softmax(z) - π written out)
     against autograd through slot_losses' formula: loss, stats and every gradient, in float64
     to 1e-10, with and without the selector, chunked and not, argmax and soft labels, soft
-    labels at a sampling setting; then FusedUnaryLoss's value and gradient against a loop over V."""
+    labels at a sampling setting; then FusedUnaryLoss's value and gradient against a loop over V, on
+    more rows than one of its 64-row dot chunks."""
     for selector_top_k in (0, WIDE_K):
         drafter = make_drafter(randomize=True, selector_top_k=selector_top_k)
         if selector_top_k:
@@ -1153,13 +1154,13 @@ def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
             for chunk in (None, 5):
                 assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,
                                  f"fused, K = {selector_top_k}, {kw}, chunk_size {chunk}", 1e-10)
-    g = torch.Generator().manual_seed(1)
-    z = (4 * torch.randn(3, V, generator=g, dtype=torch.float64)).requires_grad_()
-    r, weight = 4 * torch.randn(3, V, generator=g, dtype=torch.float64), torch.rand(3, generator=g, dtype=torch.float64)
+    g, n = torch.Generator().manual_seed(1), 130  # rows past the fused dots' 64-row chunks, the last one partial
+    z = (4 * torch.randn(n, V, generator=g, dtype=torch.float64)).requires_grad_()
+    r, weight = 4 * torch.randn(n, V, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
     for loss_type in ("kl", "ce"):
         term = slot_losses(None, z, r, None, loss_type=loss_type, fused=True)[0]
         grad, = torch.autograd.grad((weight * term).sum(), z)
-        for i in range(3):
+        for i in range(n):
             ps = [math.exp(x) for x in F.log_softmax(r[i], -1).tolist()]
             qs = [math.exp(x) for x in F.log_softmax(z[i].detach(), -1).tolist()]
             y = max(range(V), key=lambda v: r[i, v].item())

@@ -57,9 +57,7 @@ def measure(args, log=print):
     tokenizer, target = load_tokenizer(target_path), load_target(target_path, "float32", torch.device("cpu"))
     drafter = checkpoint.load_export(args.export).eval()
     peer = DFlash2DraftModel.from_pretrained(args.export, dtype=torch.float32).eval()
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      return_tensors="pt", return_dict=True)["input_ids"]
-    prompts = [chat(text) for _, text in real.humaneval_prompts()[:args.prompts]]
+    prompts = [real.chat_prompt(tokenizer, text) for _, text in real.humaneval_prompts()[:args.prompts]]
     stop = tokenizer.eos_token_id
     loops = {"dflash2": lambda p: dflash2_generate(drafter, target, p, args.max_new_tokens, stop),
              "z-lab": lambda p: zlab_generate(peer, target, p, args.max_new_tokens, stop),
@@ -79,13 +77,13 @@ def measure(args, log=print):
             seconds[name].append(s)
             cycles[name] += n
         tokens += len(got["target alone"][0])
-    t = lambda x, name: torch.tensor([x[name]], dtype=torch.float64)
+    grid = lambda x, name: torch.tensor([x[name]], dtype=torch.float64)  # (1 seed, prompts)
     out = {"prompts": len(prompts), "max_new_tokens": args.max_new_tokens, "export": args.export,
            "ms_per_cycle": {name: 1e3 * sum(v) / len(v) for name, v in per_cycle.items()},
            "mean_al": {name: tokens / n for name, n in cycles.items()},
            "tokens_per_s": {name: tokens / sum(v) for name, v in seconds.items()},
-           "zlab_over_dflash2": ratio_ci(t(per_cycle, "z-lab"), t(per_cycle, "dflash2")),
-           "speedup": ratio_ci(t(seconds, "target alone"), t(seconds, "dflash2"))}
+           "zlab_over_dflash2": ratio_ci(grid(per_cycle, "z-lab"), grid(per_cycle, "dflash2")),
+           "speedup": ratio_ci(grid(seconds, "target alone"), grid(seconds, "dflash2"))}
     log(f"cycle | dflash2 {out['ms_per_cycle']['dflash2']:.1f} ms, z-lab {out['ms_per_cycle']['z-lab']:.1f} ms: "
         f"z-lab / dflash2 {ci_text(*out['zlab_over_dflash2'])}; spec_generate / target_generate tokens/s "
         f"{ci_text(*out['speedup'])}")

@@ -351,6 +351,12 @@ def check_args(args):
     humaneval_prompts()
 
 
+def chat_prompt(tokenizer, text):
+    """A user turn's chat prompt, ready for the assistant: (1, P) ids."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"]
+
+
 def measure(args, log=print):
     import train
     from target import load_target, load_tokenizer
@@ -371,11 +377,9 @@ def measure(args, log=print):
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, "float32", torch.device("cpu"))  # decoding on a CPU runs in float32
     val = validation_rows(targs, tokenizer)
-    chat = lambda text: tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                      return_tensors="pt", return_dict=True)["input_ids"]
     tasks = humaneval_prompts()[:args.eval_prompts]
-    prompts = [chat(text) for _, text in tasks]
-    check_held_out_rows(prompts_of(val, len(val)), [chat(request) for request in held_out])
+    prompts = [chat_prompt(tokenizer, text) for _, text in tasks]
+    check_held_out_rows(prompts_of(val, len(val)), [chat_prompt(tokenizer, request) for request in held_out])
     with open(data_path) as f:
         conversations = sum(1 for _ in f)
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,

@@ -779,4 +779,3 @@ def test_the_fused_optimizer_takes_the_loop_over_tensors_steps():
             opt.step()
     for a, b, w in zip(fused, loop, weights):
         assert not torch.equal(a, w) and torch.allclose(a, b, atol=1e-6), f"fused off by {(a - b).abs().max():.3g}"
-
