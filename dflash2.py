@@ -212,9 +212,12 @@ def embed_tokens(c, embedding, ids):
     x = F.embedding(ids, embedding.weight)
     return x * c.input_embedding_scale if c.input_embedding_scale != 1 else x
 
-def target_logits(c, lm_head, x):
-    """§1: lm_head(x) of final hidden states, at least fp32, × output_multiplier, soft-capped at the cap."""
+def target_logits(c, lm_head, x, upcast=True):
+    """§1: lm_head(x) of final hidden states, at least fp32, × output_multiplier, soft-capped at the cap;
+    upcast=False: as lm_head gives them where neither transform applies (a reader upcasts as it reads)."""
     y = lm_head(x.to(lm_head.weight.dtype))
+    if not upcast and c.output_multiplier == 1 and not c.final_logit_softcapping:
+        return y
     y = y.to(torch.promote_types(y.dtype, torch.float32))
     y = y * c.output_multiplier if c.output_multiplier != 1 else y
     cap = c.final_logit_softcapping
@@ -459,6 +462,11 @@ class CandidateSelector(nn.Module):
     def edge_scores(self, h, unary, prev, cand, embedding=None):
         """h (..., H), unary (..., V), prev (...) predecessor ids, cand (..., K) -> (..., K) fp32 (even under
         autocast: in bf16 about 1% of the argmaxes flip); embedding: the target's, for factored codebooks."""
+        return unary.gather(-1, cand).float() + self.pairwise_scores(h, prev, cand, embedding)
+
+    def pairwise_scores(self, h, prev, cand, embedding=None):
+        """E's low-rank part Σ_r A[p, r]·P[k, r]·Bc[c, r], fp32 (edge_scores without U): h (..., H), prev (...),
+        cand (..., K) -> (..., K)."""
         require(not self.factored or embedding is not None,
                 "a selector with factored codebooks needs the target's input embedding (embedding=)")
         with torch.autocast(h.device.type, enabled=False):
@@ -469,8 +477,7 @@ class CandidateSelector(nn.Module):
                 Bc = F.linear(E[cand].float(), self.successor_projection.weight.float())   # (..., K, R)
             else:
                 A, Bc = self.predecessor_codebook[prev].float(), self.successor_codebook[cand].float()
-            pairwise = torch.einsum("...r,...kr->...k", A * P, Bc)
-            return unary.float().gather(-1, cand) + pairwise
+            return torch.einsum("...r,...kr->...k", A * P, Bc)
 
     def walk(self, h, unary, anchor, temperature=0.0, generator=None, embedding=None):
         """The walk from the verified anchor (§3): h (M, B-1, H), unary (M, B-1, V), anchor (M,) -> path
@@ -645,34 +652,45 @@ class LossConfig:
 class FusedUnaryLoss(torch.autograd.Function):
     """slot_losses' unary term (§6) in few passes over V, with its gradient written out:
         kl = Σ_v p_v·(r_v − z_v) − lse(r) + lse(z),   ce = lse(z) − z_y,   ∂/∂z = softmax(z) − π
-    z / r (n, V) drafter / target logits (finite: lm_head outputs), p = softmax(r), π = p (kl) or one-hot(y) (ce),
-    y = argmax r; lse(x) = max x − log max softmax(x), exact as that entry is >= 1/V. Seven passes forward, two in
-    place backward (autograd: about ten each way). -> (term (n,), p (n, V) or None for ce, y (n,))."""
+    z / r (n, V) drafter / target logits in lm_head's dtype (finite: lm_head outputs), read in at least fp32;
+    p = softmax(r), π = p (kl) or one-hot(y) (ce), y = argmax r; lse(x) = max x − log max softmax(x), exact as
+    that entry is >= 1/V. top_k > 0: also the selector's candidates C = topk(z, K) and z_C (n, K) at least fp32,
+    whose gradient is added into ∂/∂z in place. Seven passes forward, two in place backward (autograd: about
+    ten each way, and an (n, V) gradient for z_C). -> (term (n,), p (n, V) or None for ce, y (n,), C, z_C)."""
     @staticmethod
-    def forward(ctx, z, r, hard):
+    def forward(ctx, z, r, hard, top_k):
+        f = torch.promote_types(z.dtype, torch.float32)
+
+        def softmax(x):  # 64 rows at a time into one fp32 tensor: no fp32 copy of a bf16 x is made
+            out = torch.empty(x.shape, dtype=f, device=x.device)
+            for rows, out_rows in zip(x.split(64), out.split(64)):
+                torch.softmax(rows, dim=-1, dtype=f, out=out_rows)
+            return out
         with torch.autocast(z.device.type, enabled=False):  # none of it in bf16
             r_max, label = r.max(-1, keepdim=True)
-            q = torch.softmax(z, dim=-1)
-            lse_z = z.amax(-1) - q.amax(-1).log()  # amax: a third of max(dim)'s time on a CPU, no indices
+            q = softmax(z)
+            lse_z = z.amax(-1).to(f) - q.amax(-1).log()  # amax: a third of max(dim)'s time on a CPU, no indices
             if hard:
-                term, p = lse_z - z.gather(-1, label).squeeze(-1), None
+                term, p = lse_z - z.gather(-1, label).squeeze(-1).to(f), None
             else:
-                p = torch.softmax(r, dim=-1)
-                lse_r = (r_max - p.gather(-1, label).log()).squeeze(-1)
+                p = softmax(r)
+                lse_r = (r_max.to(f) - p.gather(-1, label).log()).squeeze(-1)
                 # Σ_v a_v·b_v, 64 rows at a time: twice bmm's speed on a CPU, no (n, V) temporary at the peak
-                dot = lambda a, b: torch.cat([torch.linalg.vecdot(x, y) for x, y in zip(a.split(64), b.split(64))])
+                dot = lambda a, b: torch.cat([torch.linalg.vecdot(x, y.to(f)) for x, y in zip(a.split(64), b.split(64))])
                 term = dot(p, r) - dot(p, z) - lse_r + lse_z
-            ctx.save_for_backward(q, p if p is not None else label)
+            cand = z.topk(top_k, dim=-1).indices if top_k else None
+            z_cand = z.gather(-1, cand).to(f) if top_k else None
+            ctx.save_for_backward(q, p if p is not None else label, cand)
             ctx.hard = hard
-            outputs = (term, p, label.squeeze(-1))
-            ctx.mark_non_differentiable(*(x for x in outputs[1:] if x is not None))
-            return outputs
+            ctx.mark_non_differentiable(*(x for x in (p, label, cand) if x is not None))
+            return term, p, label.squeeze(-1), cand, z_cand
 
     @staticmethod
-    def backward(ctx, grad_term, *_):
-        q, target = ctx.saved_tensors  # q is not needed again: the gradient is built in its memory
+    def backward(ctx, grad_term, _p, _label, _cand, grad_z_cand):
+        q, target, cand = ctx.saved_tensors  # q is not needed again: the gradient is built in its memory
         grad = q.scatter_add_(-1, target, -torch.ones_like(target, dtype=q.dtype)) if ctx.hard else q.sub_(target)
-        return grad.mul_(grad_term[:, None]), None, None
+        grad.mul_(grad_term[:, None])
+        return grad.scatter_add_(-1, cand, grad_z_cand) if cand is not None else grad, None, None, None
 
 def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_labels="argmax", soft_labels_at=None,
                 embedding=None, fused=True):
@@ -684,11 +702,12 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
     embedding the target's input embedding (factored codebooks) -> (unary term, selector term, Σ_{c∈C} π_c:
     the slot's selector weight), each (...); the last two None without a selector. fused: the unary term
     from FusedUnaryLoss (the same values in fewer passes over V, for finite logits); False: the formula."""
-    soft = selector is not None and selector_labels == "soft"
+    soft, top_k = selector is not None and selector_labels == "soft", selector.top_k if selector is not None else 0
     if fused:
-        term, p, label = FusedUnaryLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2), loss_type == "ce")
+        term, p, label, cand, unary_cand = FusedUnaryLoss.apply(unary.flatten(0, -2), ref.flatten(0, -2),
+                                                                loss_type == "ce", top_k)
         term, label = term.view(unary.shape[:-1]), label.view(unary.shape[:-1])
-        p = p.view(ref.shape) if p is not None else F.softmax(ref, dim=-1) if soft else None
+        p = p.view(ref.shape) if p is not None else F.softmax(ref, dim=-1, dtype=term.dtype) if soft else None
     else:
         logq = F.log_softmax(unary, dim=-1)
         label = ref.argmax(-1)
@@ -697,18 +716,23 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
             term = (torch.special.xlogy(p, p) - p * logq).sum(-1)
         else:
             term = -logq.gather(-1, label[..., None]).squeeze(-1)
+        if top_k:
+            cand = unary.topk(top_k, dim=-1).indices                     # (..., K)
+            unary_cand = unary.gather(-1, cand)
     if selector is None:
         return term, None, None
+    cand, unary_cand = cand.view(*label.shape, top_k), unary_cand.view(*label.shape, top_k)
     p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
-    cand = unary.topk(selector.top_k, dim=-1).indices                     # (..., K)
     pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
-    log_sel = F.log_softmax(selector.edge_scores(h, unary, prev, cand, embedding), dim=-1)
+    scores = unary_cand + selector.pairwise_scores(h, prev, cand, embedding)  # edge_scores, U at the logits' precision
+    log_sel = F.log_softmax(scores, dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 
 def weighted_sums(c, selector, embed, lm_head, cfg, h, ref_h, prev, w):
     """slot_losses' Σ w·terms over n slots (n bounds the memory): h, ref_h (n, H) final hidden states, prev, w (n,)."""
-    term, sel, mass = slot_losses(h, target_logits(c, lm_head, h), target_logits(c, lm_head, ref_h), prev, selector,
-                                  cfg.loss_type, cfg.selector_labels, cfg.soft_labels_at, embed, cfg.fused)
+    logits = functools.partial(target_logits, c, lm_head, upcast=not cfg.fused)  # FusedUnaryLoss upcasts as it reads
+    term, sel, mass = slot_losses(h, logits(h), logits(ref_h), prev, selector, cfg.loss_type, cfg.selector_labels,
+                                  cfg.soft_labels_at, embed, cfg.fused)
     if sel is None:
         return ((w * term).sum(),)
     return (w * term).sum(), (w * sel).sum(), (w * mass).sum()

@@ -35,8 +35,8 @@ GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
 DRAFTER_BYTES_PER_PARAM = 16
 # live (n, V) fp32 tensors at the peak of one chunk's recomputed backward: the logits of the
-# drafter and of the target, and the two softmaxes FusedUnaryLoss keeps (the gradient is built in
-# one of them); 4 fits the measured peaks
+# drafter and of the target (bf16 below a float32 target, so there 4 is an upper bound), and the
+# two softmaxes FusedUnaryLoss keeps (the gradient is built in one of them); 4 fits the measured peaks
 LOSS_TENSORS_PER_SLOT = 4
 
 

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from conftest import tiny_qwen3
-from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
-                     block_attention_mask, block_layout, block_slots, context_features, default_gamma,
+from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, FusedUnaryLoss, LocalConv,
+                     LossConfig, block_attention_mask, block_layout, block_slots, context_features, default_gamma,
                      default_target_layer_ids, dflash2_loss, dflash2_metrics, expected_acceptance_length, local_conv,
                      sample_anchors, slot_losses)
 
@@ -1106,14 +1106,16 @@ def assert_same_loss(got, want, what, tol):
             f"{what}: gradient of {name} differs by {max_diff(grads[name], g):.3g}"
 
 
-def edge_scores_float64(sel):
-    """sel.edge_scores without its cast to fp32 (kept on purpose, §8): fp32 scores would
-    hide a chunking error of 1e-10 behind rounding of 1e-7."""
-    def scores(h, unary, prev, cand, embedding=None):  # free codebooks: the embedding is not read
-        pairwise = torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
-                                sel.successor_codebook[cand])
-        return unary.gather(-1, cand) + pairwise
-    return scores
+def float64_scores(monkeypatch, sel):
+    """sel's scores without their cast to fp32 (kept on purpose, §8), in the loss (pairwise_scores)
+    and the metrics (edge_scores): fp32 scores would hide a chunking error of 1e-10 behind rounding
+    of 1e-7. monkeypatch.undo() restores the real ones."""
+    def pairwise(h, prev, cand, embedding=None):  # free codebooks: the embedding is not read
+        return torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
+                            sel.successor_codebook[cand])
+    monkeypatch.setattr(sel, "pairwise_scores", pairwise)
+    monkeypatch.setattr(sel, "edge_scores", lambda h, unary, prev, cand, embedding=None:
+                        unary.gather(-1, cand) + pairwise(h, prev, cand))
 
 
 def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
@@ -1123,15 +1125,14 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
     the real fp32 edge scores to fp32 rounding."""
     drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
     n = len(counted_slots(batch, ANCHORS, VALID))
-    real_scores = drafter.candidate_selector.edge_scores
-    monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
+    float64_scores(monkeypatch, drafter.candidate_selector)
     for kw in (dict(loss_type="kl"),
                dict(loss_type="ce", selector_labels="soft", soft_labels_at=SERVED)):
         want = loss_and_grads(drafter, target, batch, **kw)
         for chunk in (1, 5, n - 1, n, 10 * n):
             assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,
                              f"{kw}, chunk_size {chunk} of {n} slots", 1e-10)
-    monkeypatch.setattr(drafter.candidate_selector, "edge_scores", real_scores)
+    monkeypatch.undo()
     assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=5), loss_and_grads(drafter, target, batch),
                      "fp32 edge scores, chunk_size 5", 1e-6)
 
@@ -1145,7 +1146,7 @@ def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
     for selector_top_k in (0, WIDE_K):
         drafter = make_drafter(randomize=True, selector_top_k=selector_top_k)
         if selector_top_k:
-            monkeypatch.setattr(drafter.candidate_selector, "edge_scores", edge_scores_float64(drafter.candidate_selector))
+            float64_scores(monkeypatch, drafter.candidate_selector)
         for kw in (dict(loss_type="kl"), dict(loss_type="ce"), dict(loss_type="kl", selector_labels="soft"),
                    dict(loss_type="ce", selector_labels="soft", soft_labels_at=SERVED)):
             if not selector_top_k and "selector_labels" in kw:
@@ -1170,6 +1171,25 @@ def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
             want_grad = torch.tensor([weight[i].item() * (q - p) for p, q in zip(pi, qs)], dtype=torch.float64)
             assert max_diff(grad[i], want_grad) < 1e-12, \
                 f"{loss_type} row {i}: gradient off by {max_diff(grad[i], want_grad):.3g} from w·(softmax(z) - π)"
+
+
+def test_the_fused_term_reads_bf16_logits_as_their_fp32_values():
+    """FusedUnaryLoss on bf16 logits (what a bf16 lm_head gives under autocast, no fp32 copy
+    made) equals it on their fp32 upcasts exactly: term, p, label, candidates, their logits, and
+    the gradient (the fp32 one rounded to bf16), the selector's candidate gradient included."""
+    g = torch.Generator().manual_seed(2)
+    z16, r16 = (4 * torch.randn(70, V, generator=g)).bfloat16(), (4 * torch.randn(70, V, generator=g)).bfloat16()
+    w, w_cand = torch.rand(70, generator=g), torch.rand(70, WIDE_K, generator=g)
+    for hard in (False, True):
+        got, want = [], []
+        for z, r, out in ((z16, r16, got), (z16.float(), r16.float(), want)):
+            z = z.clone().requires_grad_()
+            term, p, label, cand, z_cand = FusedUnaryLoss.apply(z, r, hard, WIDE_K)
+            ((w * term).sum() + (w_cand * z_cand).sum()).backward()
+            out += [term, p, label, cand, z_cand, z.grad.bfloat16()]
+        for name, a, b in zip(("term", "p", "label", "cand", "z_cand", "grad"), got, want):
+            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), \
+                f"hard={hard}: {name} from bf16 logits differs from its fp32 upcast's"
 
 
 def test_the_loss_skips_the_metrics(target, batch, monkeypatch):

@@ -193,13 +193,12 @@ def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chu
     return median_seconds(fns, repeats, warmup, device=dev)
 
 
-def product_rate(dtype, m=1792, k=576, n=49152, repeats=3):
-    """FLOP/s of this machine's (m, k) @ (k, n) product in `dtype`, best of `repeats` (the
-    default: the lm_head product of bench.real's loss, its largest)."""
-    a, b = torch.randn(m, k, dtype=dtype), torch.randn(k, n, dtype=dtype)
-    a @ b
-    best = min(round_seconds({"mm": lambda: a @ b}, repeats, warmup=0)["mm"])
-    return 2 * m * k * n / best
+def product(dtype, device, m=1792, k=576, n=49152):
+    """An (m, k) @ (k, n) product in `dtype` and its FLOPs (the default: the lm_head product of
+    bench.real's loss, its largest); timed in the steps' own rounds it gives the product rate
+    of their floors, under the same drift. -> (fn, flops)."""
+    a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
+    return (lambda: a @ b), 2 * m * k * n
 
 
 def product_flops(fn):
@@ -218,7 +217,8 @@ def train_part(device, repeats, quick):
     the bf16 rows only on a GPU or a CPU that multiplies bf16 in hardware,
     and the step as it was before the fused loss (float32 online, LossConfig(fused=False)):
     the target part, the drafter's loss forward + backward, and the whole step with AdamW, rounds
-    interleaved; each step's floor is its product FLOPs at this machine's product rate."""
+    interleaved; each step's floor is its product FLOPs at this machine's product rate, timed in the same
+    rounds."""
     import train
     from target import TargetFeatures, native_bf16_cpu
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
@@ -264,8 +264,11 @@ def train_part(device, repeats, quick):
 
         fns.update({(name, "target"): target_part, (name, "loss"): loss_part, (name, "step"): whole_step})
         flops[name] = product_flops(whole_step)
+    products = {dtype: product(getattr(torch, dtype), device, *((128, 64, 4096) if quick else ()))
+                for dtype in targets}
+    fns.update({("product", dtype): fn for dtype, (fn, _) in products.items()})
     seconds = {k: median(v) for k, v in round_seconds(fns, repeats, warmup=1, device=device).items()}
-    rates = {dtype: product_rate(getattr(torch, dtype), *((128, 64, 4096) if quick else ())) for dtype in targets}
+    rates = {dtype: flops / seconds[("product", dtype)] for dtype, (_, flops) in products.items()}
     today = seconds[("float32 online, unfused loss", "step")]
     rows_out = {}
     for name, (dtype, mode, fused) in cases.items():
@@ -403,8 +406,8 @@ def markdown(results):
         cpu = t["cpu"]
         lines += [f"Training step at bench.real's shape {t['shape']} on {cpu['model']} ({cpu['threads']} threads, bf16 "
                   f"products in hardware: {'yes' if cpu['native_bf16'] else 'no'}); medians of {t['shape']['repeats']} "
-                  "rounds. Floor: the step's matrix-product FLOPs at this machine's product rate "
-                  "(" + ", ".join(f"{k} {v:.3f}" for k, v in t["product_tflops"].items()) + " TFLOP/s)",
+                  "rounds. Floor: the step's matrix-product FLOPs at this machine's product rate in the same "
+                  "rounds (" + ", ".join(f"{k} {v:.3f}" for k, v in t["product_tflops"].items()) + " TFLOP/s)",
                   "", "| step | target features s | drafter loss fwd+bwd s | whole step s | × the unfused float32 "
                   "online step | products TFLOP | floor s | × floor |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {k} | {v['target_s']:.2f} | {v['loss_s']:.2f} | {v['step_s']:.2f} | {v['speedup_vs_today']:.2f} | "
