@@ -196,9 +196,11 @@ def train_step_cost(target, drafters, batch_size, seq_len, max_anchors, loss_chu
 def product(dtype, device, m=1792, k=576, n=49152):
     """An (m, k) @ (k, n) product in `dtype` and its FLOPs (the default: the lm_head product of
     bench.real's loss, its largest); timed in the steps' own rounds it gives the product rate
-    of their floors, under the same drift. -> (fn, flops)."""
+    of their floors, under the same drift. It writes into one kept output: a fresh one's page
+    faults would take more than half its time on a CPU, and vary from run to run. -> (fn, flops)."""
     a, b = torch.randn(m, k, dtype=dtype, device=device), torch.randn(k, n, dtype=dtype, device=device)
-    return (lambda: a @ b), 2 * m * k * n
+    out = torch.empty(m, n, dtype=dtype, device=device)
+    return (lambda: torch.mm(a, b, out=out)), 2 * m * k * n
 
 
 def product_flops(fn):
