@@ -664,8 +664,8 @@ class FusedUnaryLoss(torch.autograd.Function):
 
         def softmax(x):  # 64 rows at a time into one fp32 tensor: no fp32 copy of a bf16 x is made
             out = torch.empty(x.shape, dtype=f, device=x.device)
-            for rows, out_rows in zip(x.split(64), out.split(64)):
-                torch.softmax(rows, dim=-1, dtype=f, out=out_rows)
+            for x_i, out_i in zip(x.split(64), out.split(64)):
+                torch.softmax(x_i, dim=-1, dtype=f, out=out_i)
             return out
         with torch.autocast(z.device.type, enabled=False):  # none of it in bf16
             r_max, label = r.max(-1, keepdim=True)

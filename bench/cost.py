@@ -319,10 +319,10 @@ def _measure_child(spec):
 
 
 def _run(spec):
+    from train import make_optimizer
     target = random_target(**spec["target"])
     drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **spec["drafter"]))
     drafter.grad_checkpoint = spec["grad_checkpoint"]
-    from train import make_optimizer
     optimizer = make_optimizer(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, spec["target"]["vocab"] - 1, (spec["batch_size"], spec["seq_len"]), generator=g)
