@@ -212,10 +212,23 @@ def embed_tokens(c, embedding, ids):
     x = F.embedding(ids, embedding.weight)
     return x * c.input_embedding_scale if c.input_embedding_scale != 1 else x
 
-def target_logits(c, lm_head, x, upcast=True):
+def lm_head_rows(lm_head, x):
+    """lm_head(x) for a draft block's few rows: on a CPU 512 vocabulary rows of the weight at a time, which MKL
+    multiplies 1.5-2x faster than the whole weight (7 x 576 x 49,152 float32: 13 ms against 8.5; 15 x 2560 x
+    151,936: 397 against 185), the same values to rounding; one product elsewhere, or for a head that is not a
+    plain nn.Linear."""
+    if x.device.type != "cpu" or type(lm_head) is not nn.Linear:
+        return lm_head(x)
+    w = lm_head.weight.split(512)
+    b = lm_head.bias.split(512) if lm_head.bias is not None else [None] * len(w)
+    return torch.cat([F.linear(x, w_i, b_i) for w_i, b_i in zip(w, b)], dim=-1)
+
+def target_logits(c, lm_head, x, upcast=True, few_rows=False):
     """§1: lm_head(x) of final hidden states, at least fp32, × output_multiplier, soft-capped at the cap;
-    upcast=False: as lm_head gives them where neither transform applies (a reader upcasts as it reads)."""
-    y = lm_head(x.to(lm_head.weight.dtype))
+    upcast=False: as lm_head gives them where neither transform applies (a reader upcasts as it reads);
+    few_rows: through lm_head_rows (a decode cycle's draft block)."""
+    x = x.to(lm_head.weight.dtype)
+    y = lm_head_rows(lm_head, x) if few_rows else lm_head(x)
     if not upcast and c.output_multiplier == 1 and not c.final_logit_softcapping:
         return y
     y = y.to(torch.promote_types(y.dtype, torch.float32))
@@ -928,7 +941,7 @@ def draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache):
     block[:, 0] = anchor
     h = drafter(embed_tokens(c, embed, block).to(dtype), torch.arange(a, a + c.block_size, device=dev)[None],
                 new_ctx.to(dtype), torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
-    return h, target_logits(c, lm_head, h).float()
+    return h, target_logits(c, lm_head, h, few_rows=True).float()
 
 def verify_forward(target, cache, anchor, draft, layer_ids):
     """The verify half (§5): the target reads [anchor ; draft] after its cache; logits row i is its law after
