@@ -214,7 +214,7 @@ def embed_tokens(c, embedding, ids):
 
 def lm_head_rows(lm_head, x):
     """lm_head(x) for a draft block's few rows: on a CPU 512 vocabulary rows of the weight at a time, which MKL
-    multiplies 1.5-2x faster than the whole weight (7 x 576 x 49,152 float32: 13 ms against 8.5; 15 x 2560 x
+    multiplies 1.5–2× faster than the whole weight (7 × 576 × 49,152 in fp32: 13 ms against 8.5; 15 × 2560 ×
     151,936: 397 against 185), the same values to rounding; one product elsewhere, or for a head that is not a
     plain nn.Linear."""
     if x.device.type != "cpu" or type(lm_head) is not nn.Linear:
