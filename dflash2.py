@@ -666,11 +666,11 @@ class FusedUnaryLoss(torch.autograd.Function):
     """slot_losses' unary term (§6) in few passes over V, with its gradient written out:
         kl = Σ_v p_v·(r_v − z_v) − lse(r) + lse(z),   ce = lse(z) − z_y,   ∂/∂z = softmax(z) − π
     z / r (n, V) drafter / target logits in lm_head's dtype (finite: lm_head outputs), read in at least fp32;
-    p = softmax(r), π = p (kl) or one-hot(y) (ce), y = argmax r; lse(x) = max x − log max softmax(x), exact as
-    that entry is >= 1/V. top_k > 0: also the selector's candidates C = topk(z, K) and z_C (n, K) at least fp32,
-    whose gradient is added into ∂/∂z in place. Six passes forward (seven with C), two in place backward
-    (autograd: about ten each way, and an (n, V) gradient for z_C). -> (term (n,), p (n, V) or None for ce,
-    y (n,), C, z_C)."""
+    p = softmax(r), π = p (kl) or one-hot(y) (ce), y = argmax r; lse(x) = x_j − log softmax(x)_j at j = argmax x,
+    exact as that entry is >= 1/V. top_k > 0: also the selector's candidates C = topk(z, K), whose first is then
+    argmax z, and z_C (n, K) at least fp32, whose gradient is added into ∂/∂z in place. Five passes forward (r's
+    maximum, two softmaxes, the dot, z's top-K or maximum), two in place backward (autograd: about ten each way,
+    and an (n, V) gradient for z_C). -> (term (n,), p (n, V) or None for ce, y (n,), C, z_C)."""
     @staticmethod
     def forward(ctx, z, r, hard, top_k):
         f = torch.promote_types(z.dtype, torch.float32)
@@ -682,8 +682,10 @@ class FusedUnaryLoss(torch.autograd.Function):
             return out
         with torch.autocast(z.device.type, enabled=False):  # none of it in bf16
             r_max, label = r.max(-1, keepdim=True)
+            cand = z.topk(top_k, dim=-1).indices if top_k else None
+            top = cand[:, :1] if top_k else z.max(-1, keepdim=True).indices  # argmax z, from C's pass when there is C
             q = softmax(z)
-            lse_z = z.amax(-1).to(f) - q.amax(-1).log()  # amax: a third of max(dim)'s time on a CPU, no indices
+            lse_z = (z.gather(-1, top).to(f) - q.gather(-1, top).log()).squeeze(-1)
             if hard:
                 term, p = lse_z - z.gather(-1, label).squeeze(-1).to(f), None
             else:
@@ -695,7 +697,6 @@ class FusedUnaryLoss(torch.autograd.Function):
                 rows = zip(p.split(16), r.split(16), z.split(16))
                 dots = [torch.linalg.vecdot(p_i, d[:len(p_i)].copy_(r_i).sub_(z_i)) for p_i, r_i, z_i in rows]
                 term = torch.cat(dots) - lse_r + lse_z
-            cand = z.topk(top_k, dim=-1).indices if top_k else None
             z_cand = z.gather(-1, cand).to(f) if top_k else None
             ctx.save_for_backward(q, p if p is not None else label, cand)
             ctx.hard = hard

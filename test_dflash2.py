@@ -1204,6 +1204,24 @@ def test_the_fused_term_reads_bf16_logits_as_their_fp32_values():
                 f"hard={hard}: {name} from bf16 logits differs from its fp32 upcast's"
 
 
+@pytest.mark.parametrize("top_k", [0, WIDE_K])
+def test_the_fused_term_is_exact_where_fp32_softmaxes_underflow(top_k):
+    """One logit per row 300 above the rest, at columns that differ between z and r: away from its maximum,
+    softmax(z) underflows to 0 in fp32, so lse(z) must be read at the maximum (C's first with a selector) for
+    the term to equal the float64 formula; read anywhere else it is infinite."""
+    g = torch.Generator().manual_seed(3)
+    z, r = torch.randn(40, V, generator=g), torch.randn(40, V, generator=g)
+    rows = torch.arange(40)
+    z[rows, torch.randint(0, V, (40,), generator=g)] += 300
+    r[rows, torch.randint(0, V, (40,), generator=g)] += 300
+    log_q, log_p = F.log_softmax(z.double(), -1), F.log_softmax(r.double(), -1)
+    for hard, want in ((False, (log_p.exp() * (log_p - log_q)).sum(-1)),
+                       (True, -log_q.gather(-1, r.argmax(-1, keepdim=True)).squeeze(-1))):
+        term = FusedUnaryLoss.apply(z, r, hard, top_k)[0]
+        assert max_diff(term, want) < 1e-4 * want.abs().max(), \
+            f"hard={hard}, top_k={top_k}: the fused term is {max_diff(term, want):.3g} off the float64 formula"
+
+
 def test_the_loss_skips_the_metrics(target, batch, monkeypatch):
     """dflash2_loss: no walk, no host sync; the loss terms come back as detached tensors."""
     drafter = make_drafter(randomize=True)
