@@ -742,7 +742,7 @@ def slot_losses(h, unary, ref, prev, selector=None, loss_type="kl", selector_lab
     cand, unary_cand = cand.view(*label.shape, top_k), unary_cand.view(*label.shape, top_k)
     p_label = sampling_probs(ref, *soft_labels_at) if soft and soft_labels_at else p
     pi = p_label.gather(-1, cand) if soft else (cand == label[..., None]).to(term.dtype)
-    scores = unary_cand + selector.pairwise_scores(h, prev, cand, embedding)  # edge_scores, U not cast to fp32
+    scores = unary_cand + selector.pairwise_scores(h, prev, cand, embedding)  # edge_scores, U(C) in U's precision
     log_sel = F.log_softmax(scores, dim=-1)
     return term, -(pi * log_sel.to(term.dtype)).sum(-1), pi.sum(-1)
 

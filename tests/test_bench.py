@@ -512,7 +512,7 @@ def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkey
 def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread):
     out = tmp_path / "bench"
     served = ablation.LABEL_OPTIONS[-1]  # soft labels at the write-up's setting: the most flags of a label option
-    drafters = ["DFlash", "DFlash2", served]  # no selector, the default, a label option (partial variants: cost's test)
+    drafters = ["DFlash", "+conv", "DFlash2", served]  # no selector, a partial variant, the default, a label option
     results = ablation.main(ablation.parse_args(["--quick", "--out-dir", str(out), "--cache-dir", cache_dir,
                                                  "--drafters", ",".join(drafters)]))
     saved = json.loads((out / "results.json").read_text())
@@ -534,7 +534,7 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
         assert "ratio_vs_argmax_labels" in s[served][t], sorted(s[served][t])
     assert results["summary"]["DFlash2"]["val"]["blocks"] >= 64, results["summary"]["DFlash2"]["val"]
     assert "accept_selector" in results["summary"]["DFlash2"]["val"] and \
-        "accept_selector" not in results["summary"]["DFlash"]["val"], \
+        "accept_selector" not in results["summary"]["+conv"]["val"], \
         "selector metrics belong to the drafters trained with a selector, and only to them"
     assert set(results["target_entropy"]) == {"T=1", "T=1, top-p 0.95, top-k 20"}, results["target_entropy"]
     assert all(v["at_write_up"]["accept_unary"] > 0 for v in results["variants"]["DFlash2"]["val"])
