@@ -2,12 +2,14 @@
 Qwen3 targets built from a transformers config (nothing downloaded), random DFlash2 drafters for
 them, the single-thread fixture that tiny models need on a busy CPU, the chi-square test of a
 sampler's law, and the plain greedy loop that generation and regeneration are checked against."""
+import itertools
+
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash2 import DFlash2Config, DFlash2Drafter
+from dflash2 import DFlash2Config, DFlash2Drafter, sampling_probs
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +112,47 @@ def plain_greedy(model, tokenizer, messages, max_new_tokens, stop_ids=(), tools=
                                         return_dict=True)["input_ids"]
     new, stopped = argmax_loop(model, ids, max_new_tokens, {tokenizer.eos_token_id, *stop_ids})
     return tokenizer.decode(new), stopped
+
+
+def record_forward(monkeypatch, module):
+    """Wrap module.forward; returns the list of (args, kwargs, output) of its calls."""
+    calls, forward = [], module.forward
+
+    def recorded(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        calls.append((args, kwargs, out))
+        return out
+
+    monkeypatch.setattr(module, "forward", recorded)
+    return calls
+
+
+def force_drafts(monkeypatch, drafter, reference, n_right):
+    """Make spec_generate's drafter propose reference's tokens (the whole greedy sequence,
+    prompt included) for the first n_right[c % len(n_right)] slots of cycle c and wrong
+    tokens after that. The anchor's absolute position is read off the block positions the
+    drafter was called with. Returns the drafter's recorded forward calls."""
+    calls, propose = record_forward(monkeypatch, drafter), drafter.propose
+    B, V = drafter.config.block_size, drafter.config.vocab_size
+
+    def forced(h, unary, anchor, temperature=0.0, generator=None, **filters):
+        path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
+        a, j = int(calls[-1][0][1][0, 0]), n_right[(len(calls) - 1) % len(n_right)]
+        assert int(anchor) == reference[a], f"anchor {int(anchor)} at position {a}, the greedy sequence has {reference[a]}"
+        right = torch.tensor(reference[a + 1:a + B])
+        return torch.cat([right[:j], (right[j:] + 1) % V])[None], cand, q
+
+    monkeypatch.setattr(drafter, "propose", forced)
+    return calls
+
+
+@torch.no_grad()
+def exact_joint3(target, prompt, temperature, top_p, top_k):
+    """p(x1) p(x2|x1) p(x3|x1,x2) after the prompt, (V, V, V), from one batched forward."""
+    V = target.config.get_text_config().vocab_size
+    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
+    logits = target(torch.cat([torch.tensor([prompt]).expand(len(pairs), -1), pairs], 1)).logits[:, -3:]
+    p = sampling_probs(logits, temperature, top_p, top_k)                           # (V^2, 3, V)
+    x1, x2 = pairs[:, 0], pairs[:, 1]
+    rows = torch.arange(len(pairs))
+    return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)

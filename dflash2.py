@@ -77,9 +77,10 @@ class DFlash2Config:
         """The drafter of a transformers target config: its width, RoPE (target_rope) and tables (target_view)."""
         require("mask_token_id" in overrides,
                 "from_target needs mask_token_id: an existing but unused token id of the target")
-        tc = target_config.get_text_config()
+        tc = text_config(target_config)
         L, n_heads = tc.num_hidden_layers, tc.num_attention_heads
-        shape = dict(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, vocab_size=tc.vocab_size,
+        shape = dict(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                     intermediate_size=overrides.get("intermediate_size") or mlp_width(tc),
                      num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
                      head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
                      num_target_layers=L, target_layer_ids=default_target_layer_ids(L),
@@ -98,7 +99,8 @@ def require(ok, sentence):  # refuse early, with a sentence a user can act on (t
 ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),  # rope_type -> what it reads
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
              "yarn": ("original_max_position_embeddings",),
-             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings")}
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+             "proportional": ()}
 
 def check_config(c):
     """Refuse a shape the drafter cannot be built with, in one sentence naming the field."""
@@ -163,9 +165,34 @@ def default_target_layer_ids(num_target_layers, num_features=5):
         return [max(0, min(L // 2, L - 2))]  # never the last layer (check_config says why)
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
+def text_config(target_config):
+    """The language model's config of a target (a multimodal wrapper's text_config), read through its
+    full-attention layers where layers differ in width (Gemma-4's head_dim), as its RoPE is (target_rope).
+    Hyper-connection targets (DeepSeek-V4) are refused: each layer returns several residual streams
+    (b, S, streams, H), and a DFlash context feature is one (b, S, H) state per layer."""
+    tc = target_config.get_text_config()
+    require(not getattr(tc, "hc_mult", None),
+            f"the {tc.model_type!r} target has hyper-connections (hc_mult {getattr(tc, 'hc_mult', None)}): its layers "
+            "return several residual streams, and the drafter reads one hidden state per layer")
+    if getattr(tc, "is_heterogeneous", False):
+        kinds = getattr(tc, "layer_types", None) or ()
+        tc = tc.per_layer_config["full_attention" if "full_attention" in kinds else 0]
+    return tc
+
+def mlp_width(tc):
+    """The target's intermediate_size; an MoE config without one (Qwen3.5-MoE) gives the width a token's routed
+    experts add up to, moe_intermediate_size × num_experts_per_tok."""
+    if getattr(tc, "intermediate_size", None):
+        return tc.intermediate_size
+    moe, k = getattr(tc, "moe_intermediate_size", None), getattr(tc, "num_experts_per_tok", None)
+    require(moe and k, f"the target's {tc.model_type!r} config has no intermediate_size (nor moe_intermediate_size "
+            "and num_experts_per_tok to take it from): pass intermediate_size for the drafter's MLP")
+    return moe * k
+
 def target_rope(tc):
     """The target's rope_parameters as DFlash2Config's rope_theta and rope_scaling (None: plain RoPE), §1:
-    Gemma-3's full-attention set; partial_rotary_factor ignored (whole heads rotate) but under longrope."""
+    Gemma-3/4's full-attention set; partial_rotary_factor ignored (whole heads rotate) but under longrope, and
+    kept under proportional, whose table it defines (the rest of each head is not rotated)."""
     rope = dict(getattr(tc, "rope_parameters", None) or {})
     rope = dict(rope.get("full_attention", rope))
     partial = rope.pop("partial_rotary_factor", None) or getattr(tc, "partial_rotary_factor", None) or 1.0
@@ -174,16 +201,20 @@ def target_rope(tc):
     if kind == "longrope" and partial != 1:
         raise ValueError(f"target rope_type 'longrope' with partial_rotary_factor {partial}: its factors cover part "
                          "of a head, and the drafter rotates whole heads")
+    if kind == "proportional" and partial != 1:
+        rope["partial_rotary_factor"] = partial
     if "original_max_position_embeddings" in ROPE_KEYS.get(kind, ()) and hasattr(tc, "original_max_position_embeddings"):
         rope.setdefault("original_max_position_embeddings", tc.original_max_position_embeddings)
     return dict(rope_theta=theta, rope_scaling=None if kind == "default" else {**rope, "rope_type": kind})
 
 def target_view(tc):
-    """What the target's forward does to its tables (§1; Gemma's √H and soft-cap, Granite's multipliers), as
-    DFlash2Config fields. A family that does anything else is caught by target.check_target_view."""
+    """What the target's forward does to its tables (§1; Gemma's √H and soft-cap, Granite's and Falcon-H1's
+    multipliers, Muse-Glimmer's multiplier before its cap), as DFlash2Config fields. A family that does
+    anything else is caught by target.check_target_view."""
     gemma = tc.model_type.startswith(("gemma", "recurrent_gemma"))
+    multiplier = getattr(tc, "output_multiplier", None) or getattr(tc, "lm_head_multiplier", None) or 1.0
     return dict(input_embedding_scale=tc.hidden_size ** 0.5 if gemma else getattr(tc, "embedding_multiplier", 1.0),
-                output_multiplier=1.0 / getattr(tc, "logits_scaling", 1.0),
+                output_multiplier=multiplier / getattr(tc, "logits_scaling", 1.0),
                 final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None)
 
 # -----------------------------------------------------------------------------
@@ -202,7 +233,8 @@ def check_target_shape(c, num_target_layers, hidden_size, vocab_size):
 def check_target(c, target):
     """check_target_shape on the loaded target, and a mask token inside its embedding table. -> (embedding, lm_head)."""
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
-    check_target_shape(c, target.config.num_hidden_layers, embed.weight.shape[1], lm_head.weight.shape[0])
+    check_target_shape(c, target.config.get_text_config().num_hidden_layers, embed.weight.shape[1],
+                       lm_head.weight.shape[0])
     require(c.mask_token_id < embed.weight.shape[0],
             f"mask_token_id {c.mask_token_id} is outside the target's embedding table [0, {embed.weight.shape[0]})")
     return embed, lm_head
@@ -259,47 +291,22 @@ def check_sampling(temperature, top_p, top_k):
     require(isinstance(top_k, int) and top_k >= 0, f"top_k ({top_k!r}) must be an integer >= 0")
 
 def rope_frequencies(c, seq_len=None):
-    """§1: the drafter's RoPE, of the target's type, as Hugging Face computes it -> (inverse frequencies (hd/2,)
-    fp32, cos / sin scale). seq_len bounds the positions: longrope's long factors past L₀, dynamic refused past."""
-    p, d, base = c.rope_scaling or {"rope_type": "default"}, c.head_dim, c.rope_theta
-    kind, exponent = p["rope_type"], torch.arange(0, d, 2, dtype=torch.float) / d
-    inv, scale = 1.0 / (base ** exponent), 1.0
-    if kind == "linear":
-        inv = inv / p["factor"]
-    elif kind == "dynamic" and seq_len is not None and seq_len > c.max_position_embeddings:
+    """§1: the drafter's RoPE, of the target's type, from transformers' own table functions -> (inverse
+    frequencies (hd/2,) fp32, cos / sin scale). seq_len bounds the positions: longrope's long factors past L₀,
+    dynamic refused past max_position_embeddings (its table there depends on the model's history)."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    if (c.rope_scaling or {}).get("rope_type", "default") == "default":  # plain RoPE, θ^(−2m/hd)
+        return 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim), 1.0
+    rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
+    if rope["rope_type"] == "dynamic" and seq_len is not None and seq_len > c.max_position_embeddings:
         raise ValueError(f"dynamic RoPE at position {seq_len - 1}, past max_position_embeddings "
                          f"({c.max_position_embeddings}): its frequencies there depend on the model's history")
-    elif kind == "llama3":  # long wavelengths interpolated by factor, short ones kept, a smooth ramp between
-        old, low, high, factor = (p[k] for k in ("original_max_position_embeddings", "low_freq_factor",
-                                                 "high_freq_factor", "factor"))
-        wavelength = 2 * math.pi / inv
-        smooth = (old / wavelength - low) / (high - low)
-        scaled = torch.where(wavelength > old / low, inv / factor, inv)
-        medium = (wavelength >= old / high) & (wavelength <= old / low)
-        inv = torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
-    elif kind in ("yarn", "longrope"):
-        old = p["original_max_position_embeddings"]
-        factor = p.get("factor") or c.max_position_embeddings / old
-        scale = p.get("attention_factor")
-        if kind == "longrope":
-            if scale is None:
-                scale = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
-            long = seq_len is not None and seq_len > old
-            inv = 1.0 / (torch.tensor(p["long_factor" if long else "short_factor"]) * base ** exponent)
-        else:  # yarn: interpolate the dimensions that turn fewer than beta_slow times over the original context
-            mscale = lambda m=1: 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-            if scale is None:
-                both = p.get("mscale") and p.get("mscale_all_dim")
-                scale = float(mscale(p["mscale"]) / mscale(p["mscale_all_dim"])) if both else mscale()
-            dim_at = lambda turns: d * math.log(old / (turns * 2 * math.pi)) / (2 * math.log(base))
-            low, high = dim_at(p.get("beta_fast") or 32), dim_at(p.get("beta_slow") or 1)
-            if p.get("truncate", True):
-                low, high = math.floor(low), math.ceil(high)
-            low, high = max(low, 0), min(high, d - 1)
-            ramp = ((torch.arange(d // 2, dtype=torch.float) - low) / ((high if high != low else high + 0.001) - low))
-            keep = 1 - ramp.clamp(0, 1)  # 1: extrapolated (kept), 0: interpolated (divided by factor)
-            inv = 1.0 / (factor * base ** exponent) * (1 - keep) + 1.0 / (base ** exponent) * keep
-    return inv, scale
+    if rope["rope_type"] == "yarn":
+        rope.setdefault("factor", None)  # transformers then takes max_position_embeddings / L₀
+    shape = LlamaConfig(hidden_size=c.num_heads * c.head_dim, num_attention_heads=c.num_heads, head_dim=c.head_dim,
+                        max_position_embeddings=c.max_position_embeddings, rope_parameters=rope)
+    return ROPE_INIT_FUNCTIONS[rope["rope_type"]](shape, None, seq_len)
 
 def rope_cos_sin(positions, inv_freq, scale, dtype):
     """Rotary tables for integer positions (b, n) -> (b, n, hd), half-table repeated as in Qwen3."""
@@ -984,6 +991,19 @@ def speculative_decode_step(drafter, target, cache, draft_cache, anchor, new_ctx
         n_acc, bonus = verify_sampled(draft, q_vocab, p, generator)
     return draft[:n_acc].tolist() + [bonus], rollback(cache, features, n, n_acc)
 
+def target_cache(target, forward_tokens=0):
+    """The target's transformers cache for decoding one sequence. forward_tokens > 0: after a forward of at most
+    that many tokens, crop(−m) can take back any m of them (§5): sliding-window layers keep the keys past their
+    window, and recurrent layers (linear attention, Mamba, short convolutions) the state after each of the
+    forward's tokens, until the next crop. Without them a hybrid target cannot be rolled back; with fewer the
+    states are misaligned: transformers keeps the last k states of a forward, and crop(−m) takes the m-th from
+    the end of [state before the forward] + those k but the last."""
+    from transformers import DynamicCache
+    cache = DynamicCache(config=target.config)
+    if forward_tokens:
+        cache.activate_past_recording(recurrent_states_to_keep=forward_tokens)
+    return cache
+
 def _emit(tokens, new, stop_ids, max_new_tokens):
     """Append new tokens, stopping after a stop token or at max_new_tokens; -> done."""
     for tok in new:
@@ -996,10 +1016,9 @@ def _emit(tokens, new, stop_ids, max_new_tokens):
 def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
                     stop_token_ids=None, generator=None):
     """Plain autoregressive decoding with the same cache and sampling code: the baseline."""
-    from transformers import DynamicCache
     _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
     stats, stop_ids, tokens = GenerationStats(), set(stop_token_ids or ()), []
-    cache = DynamicCache(config=target.config)
+    cache = target_cache(target)
     logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
     start, stats.target_forwards = device_time(input_ids.device), 1
     while not _emit(tokens, [int(sample(logits, temperature, top_p, top_k, generator))], stop_ids, max_new_tokens):
@@ -1013,13 +1032,11 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
                   stop_token_ids=None, generator=None):
     """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). -> (new token ids (n,),
     GenerationStats). Equals target_generate's output token for token at T = 0, follows its law at T > 0."""
-    from transformers import DynamicCache
     _check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
     check_target(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
-    cache, draft_cache = DynamicCache(config=target.config), DraftCache(c.num_layers)
-    cache.activate_past_recording()  # sliding-window layers keep what a rollback may need, until the next crop
+    cache, draft_cache = target_cache(target, forward_tokens=B), DraftCache(c.num_layers)  # [anchor ; <= B−1 drafts]
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     new_ctx = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
     start, stats.target_forwards = device_time(dev), 1

@@ -29,7 +29,7 @@ import argparse
 import torch
 
 import dflash2
-from target import load_config
+from target import load_config, model_class
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
@@ -47,9 +47,8 @@ def drafter_config(target_config, **overrides):
 
 def parameter_counts(target_config, c):
     """(target, drafter) parameters, built on the meta device: shapes only, no memory."""
-    from transformers import AutoModelForCausalLM
     with torch.device("meta"):
-        target = AutoModelForCausalLM.from_config(target_config)
+        target = model_class(target_config).from_config(target_config)
         drafter = dflash2.DFlash2Drafter(c)
     count = lambda m: sum(p.numel() for p in m.parameters())  # tied embeddings counted once
     return count(target), count(drafter)
@@ -106,7 +105,7 @@ def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=10
         "target_weights": n_target * target_bytes,
         "drafter_states": n_drafter * DRAFTER_BYTES_PER_PARAM,
         "loss_chunk": loss_at(batch_size),
-        "hidden_states_per_seq": (target_config.num_hidden_layers + 1) * S * H * target_bytes,
+        "hidden_states_per_seq": (target_config.get_text_config().num_hidden_layers + 1) * S * H * target_bytes,
         "activations_per_seq": stored,
         "recompute_per_seq": recompute,
     }

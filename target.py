@@ -87,23 +87,45 @@ def decoding_dtype(device, dtype):
     return torch.float32 if device.type == "cpu" else dtype
 
 
+def model_class(config):
+    """The auto class that builds a target of this config: its causal LM, or for a multimodal wrapper that has
+    none (Muse-Glimmer) its image-text-to-text model. The drafter reads either through its language model:
+    get_text_config(), get_input_embeddings(), get_output_embeddings() and the forward's hidden states."""
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModelForImageTextToText):
+        if type(config) in auto._model_mapping:
+            return auto
+    raise ValueError(f"the {config.model_type!r} target has neither a causal-LM nor an image-text-to-text class in "
+                     "transformers: the drafter needs a model that predicts the next token")
+
+
 def load_target(target, dtype_flag, device):
     """Frozen, in training_dtype(dtype_flag, device)."""
     path, kw = source(target)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0], **kw)
+    model = model_class(load_config(target)).from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0], **kw)
     return model.to(device).eval().requires_grad_(False)
+
+
+# Families whose embedding module RMS-normalises the rows, without a weight, before the first layer. Their
+# published drafter configs declare no transform, and the engines embed the raw rows: the drafter follows the
+# engines (ALGORITHM.md §1), and the check holds the target's embeddings to its rows normalised.
+NORMALISED_EMBEDDINGS = {"muse_glimmer_text"}
 
 
 @torch.no_grad()
 def check_target_view(c, target, ids):
     """The drafter's view of the target against the target's own forward on ids (1, n): embed_tokens
-    must give its hidden_states[0] and target_logits of its last hidden state its logits. A family
-    whose forward does anything else to its tables is refused by name, before any training."""
+    must give its hidden_states[0] (RMS-normalised first for NORMALISED_EMBEDDINGS) and target_logits of
+    its last hidden state its logits. A family whose forward does anything else to its tables is refused
+    by name, before any training."""
     embed, lm_head = dflash2.check_target(c, target)
     out = target(ids, output_hidden_states=True)
     tolerance = 1e-4 if embed.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    tc = target.config.get_text_config()
+    rows = dflash2.embed_tokens(c, embed, ids)
+    if tc.model_type in NORMALISED_EMBEDDINGS:
+        rows = torch.nn.functional.rms_norm(rows.float(), rows.shape[-1:], eps=tc.rms_norm_eps)
     for what, ours, theirs in (
-            ("embeddings (hidden_states[0])", dflash2.embed_tokens(c, embed, ids), out.hidden_states[0]),
+            ("embeddings (hidden_states[0])", rows, out.hidden_states[0]),
             ("logits", dflash2.target_logits(c, lm_head, out.hidden_states[-1]), out.logits)):
         ours, theirs = ours.double(), theirs.double()
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))

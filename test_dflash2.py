@@ -352,8 +352,8 @@ def test_from_target_refuses_no_mask_token_unknown_fields_and_unknown_rope():
         DFlash2Config.from_target(target_config())
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
         DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID, blocksize=8)
-    with pytest.raises(ValueError, match=r"rope_type 'proportional' is not supported"):
-        make_config(rope_scaling={"rope_type": "proportional", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type 'mrope' is not supported"):
+        make_config(rope_scaling={"rope_type": "mrope", "factor": 2.0})
     with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['low_freq_factor'\]"):
         make_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 64})

@@ -373,20 +373,20 @@ def build_drafter(args, tokenizer, target_config, rows, log):
     torch.manual_seed(args.seed)
     parts = dict(conv_kernel_size=args.conv_kernel_size, selector_rank=args.selector_rank,
                  selector_top_k=args.selector_top_k, selector_codebooks=args.selector_codebooks)
+    text = target_config.get_text_config()  # a multimodal wrapper's language model
     if args.init_from:
-        drafter = load_export(args.init_from, num_target_layers=target_config.num_hidden_layers)
+        drafter = load_export(args.init_from, num_target_layers=text.num_hidden_layers)
         if not drafter.config.is_dflash2:  # DFlash (v1): this run's convolution and selector join at identity
             drafter = with_parts(drafter, **parts)
-        check_target_shape(drafter.config, target_config.num_hidden_layers, target_config.hidden_size,
-                           target_config.vocab_size)
+        check_target_shape(drafter.config, text.num_hidden_layers, text.hidden_size, text.vocab_size)
         return drafter
     used = None
     if rows is not None:  # the ids the training rows hold, marked in one pass
-        seen = torch.zeros(max(target_config.vocab_size, len(tokenizer)), dtype=torch.bool)
+        seen = torch.zeros(max(text.vocab_size, len(tokenizer)), dtype=torch.bool)
         for ids in rows["input_ids"]:
             seen[ids] = True
         used = seen.nonzero()[:, 0].tolist()
-    mask_token_id, why = choose_mask_token(args.mask_token_id, tokenizer, target_config.vocab_size, used)
+    mask_token_id, why = choose_mask_token(args.mask_token_id, tokenizer, text.vocab_size, used)
     log(f"mask token {mask_token_id}: {why}")
     layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
     outside = [i for i in args.full_attention_layers if not 0 <= i < args.num_layers]

@@ -243,9 +243,7 @@ def greedy_agreement(target, rows):
 def verify_seconds(target, prompt, repeats=20):
     """Median seconds of one target forward of w tokens after the prompt's cache, for each w of
     VERIFY_WIDTHS (w = 1 is a plain decoding step; w = B is a verification), interleaved rounds."""
-    from transformers import DynamicCache
-    cache = DynamicCache(config=target.config)
-    cache.activate_past_recording()  # a sliding-window layer can then be cropped once its window is full
+    cache = dflash2.target_cache(target, forward_tokens=max(VERIFY_WIDTHS))  # each forward is cropped again
     target(prompt, cache=cache, use_cache=True)
 
     def forward(w):

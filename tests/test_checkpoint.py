@@ -518,8 +518,8 @@ UNSUPPORTED = {  # config.json edit -> what the refusal names
     "causal": ({"is_causal": True}, r"is_causal = True makes draft layers \[0, 1\] causal"),
     "causal by z-lab's default": ({"layer_types": ["sliding_attention", "full_attention"], "use_sliding_window": True,
                                    "sliding_window": 4}, r"is_causal = None makes draft layers \[0\] causal"),
-    "unknown rope": ({"rope_parameters": {"rope_type": "proportional", "rope_theta": 1e6, "factor": 4.0}},
-                     "rope_type 'proportional' is not supported"),
+    "unknown rope": ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e6, "factor": 4.0}},
+                     "rope_type 'mrope' is not supported"),
     "gelu": ({"hidden_act": "gelu"}, "hidden_act = 'gelu' is not supported"),
     "bias": ({"attention_bias": True}, "attention_bias = True is not supported")}
 

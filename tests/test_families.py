@@ -7,6 +7,8 @@ configs' fields loaded and decoded."""
 import dataclasses
 import json
 
+import numpy as np
+
 import pytest
 import torch
 import transformers
@@ -14,8 +16,8 @@ import transformers
 import checkpoint
 import dflash2
 import regenerate
-from conftest import argmax_loop
-from target import check_target_view, target_features
+from conftest import argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
+from target import check_target_view, model_class, target_features
 from dflash2 import DFlash2Config, DFlash2Drafter, DraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,6 +30,9 @@ LLAMA3 = dict(rope_type="llama3", rope_theta=5e5, factor=8.0, low_freq_factor=1.
               original_max_position_embeddings=8)
 YARN = dict(rope_type="yarn", rope_theta=1.5e5, factor=4.0, original_max_position_embeddings=8, beta_fast=32.0,
             beta_slow=1.0, truncate=False)
+GATED_DELTANET = dict(layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+                      linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)
+QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
 LONGROPE = dict(rope_type="longrope", rope_theta=1e4, short_factor=[1.0 + i / 8 for i in range(4)],
                 long_factor=[1.5 + i / 2 for i in range(4)])
 FAMILIES = {  # the family's own config class and the fields that make it what it is
@@ -49,22 +54,61 @@ FAMILIES = {  # the family's own config class and the fields that make it what i
     "Granite": (transformers.GraniteConfig, dict(embedding_multiplier=12.0, logits_scaling=8.0,
                                                  residual_multiplier=0.22, attention_multiplier=0.125)),
     "OLMo-2": (transformers.Olmo2Config, {}),
+    "Falcon-H1": (transformers.FalconH1Config, dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8,
+                                                    mamba_chunk_size=4, embedding_multiplier=2.0,
+                                                    lm_head_multiplier=0.039)),
+    "Qwen3.5": (transformers.Qwen3_5TextConfig, GATED_DELTANET),
+    "Qwen3.5-MoE": (transformers.Qwen3_5MoeTextConfig, dict(GATED_DELTANET, **QWEN_MOE)),
+    "Qwen3-Next": (transformers.Qwen3NextConfig, dict(GATED_DELTANET, **QWEN_MOE)),
+    "Granite-4": (transformers.GraniteMoeHybridConfig, dict(layer_types=["mamba", "attention"] * 2, mamba_n_heads=4,
+                                                            mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=4,
+                                                            num_local_experts=4, shared_intermediate_size=16,
+                                                            embedding_multiplier=12.0, logits_scaling=8.0)),
+    "Nemotron-H": (transformers.NemotronHConfig, dict(layers_block_type=["mamba", "attention", "mamba", "mlp"],
+                                                      mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8,
+                                                      n_groups=1, chunk_size=4)),
+    "Kimi-Linear": (transformers.KimiLinearConfig, dict(layer_types=["linear_attention", "full_attention"] * 2,
+                                                        num_key_value_heads=4, linear_head_dim=8, linear_num_heads=4,
+                                                        kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4,
+                                                        v_head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                                                        moe_intermediate_size=16)),
+    "LFM2": (transformers.Lfm2Config, dict(layer_types=["conv", "full_attention"] * 2, conv_L_cache=3)),
+    # multimodal wrappers: the fields go to the language model's text_config
+    "Gemma-4": (transformers.Gemma4Config, dict(hidden_size_per_layer_input=4, vocab_size_per_layer_input=V,
+                                                layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                                                sliding_window=WINDOW, global_head_dim=16, final_logit_softcapping=30.0)),
+    "Muse-Glimmer": (transformers.MuseGlimmerConfig, dict(sliding_window=WINDOW)),
 }
+WRAPPERS = {"Gemma-4": {}, "Muse-Glimmer": dict(vision_config=dict(hidden_size=16, num_hidden_layers=1,
+                                                                    num_attention_heads=2, intermediate_size=16))}
+HYBRIDS = ["Qwen3.5", "Qwen3.5-MoE", "Qwen3-Next", "Granite-4", "Nemotron-H", "Kimi-Linear", "Falcon-H1", "LFM2"]
 
 
-MOE = ("Qwen3-MoE", "gpt-oss")  # their expert products run in float32 at most
+MOE = ("Qwen3-MoE", "gpt-oss", "Qwen3.5-MoE", "Qwen3-Next", "Granite-4", "Kimi-Linear")  # float32 expert products
+
+
+def family_config(family, **config):
+    cls, fields = FAMILIES[family]
+    if family in WRAPPERS:
+        text = {k: v for k, v in SHAPE.items() if k != "tie_word_embeddings"}
+        return cls(text_config={**text, **fields, **config}, **WRAPPERS[family])
+    return cls(**{**SHAPE, **fields, **config})
 
 
 def family_target(family, seed=0, **config):
     """A random frozen float64 target of the family (float32 for MoE), its lm_head sharpened so that
     its logits span tens of units (soft-capping at 30 then matters, and greedy continuations are not
-    all ties)."""
-    cls, fields = FAMILIES[family]
+    all ties); a multiplier below 1 is undone, so that the logits still span tens of units after it."""
+    config = family_config(family, **config)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cls(**{**SHAPE, **fields, **config}))
+    model = model_class(config).from_config(config)
     model = model.to(torch.float32 if family in MOE else torch.float64).eval().requires_grad_(False)
-    model.get_output_embeddings().weight.mul_(40.0 / (model.config.get_text_config().hidden_size ** 0.5
-                                                     if family.startswith("Gemma") else 1.0))
+    tc = dflash2.text_config(config)
+    model.get_output_embeddings().weight.mul_(40.0 / (tc.hidden_size ** 0.5 if family.startswith("Gemma") else 1.0)
+                                              / min(dflash2.target_view(tc)["output_multiplier"], 1.0))
+    for name, p in model.named_parameters():  # Mamba states that decay slowly: a wrong state after a rollback shows
+        if name.endswith("A_log"):
+            p.fill_(-4.0)
     return model
 
 
@@ -118,22 +162,62 @@ def test_dynamic_rope_past_its_context_is_refused_and_an_unknown_one_by_name():
             **LONGROPE, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}}), mask_token_id=V - 1)
 
 
+def test_a_hyper_connection_target_is_refused_by_name_before_any_weights():
+    config = transformers.DeepseekV4Config(**{**SHAPE, "hc_mult": 4})
+    with pytest.raises(ValueError, match=r"the 'deepseek_v4' target has hyper-connections \(hc_mult 4\)"):
+        DFlash2Config.from_target(config, mask_token_id=V - 1)
+
+
+def test_an_moe_config_without_intermediate_size_takes_its_routed_experts_width_or_is_refused_by_name():
+    cls, fields = FAMILIES["Qwen3.5-MoE"]
+    config = cls(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, **fields)  # as its class has it
+    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    assert c.intermediate_size == 16 * 2, f"moe_intermediate_size 16 × 2 experts a token, not {c.intermediate_size}"
+    assert DFlash2Config.from_target(config, mask_token_id=V - 1, intermediate_size=40).intermediate_size == 40
+    config.__dict__["num_experts_per_tok"] = None  # past the strict field check: a config with neither width
+    with pytest.raises(ValueError, match="the target's 'qwen3_5_moe_text' config has no intermediate_size"):
+        DFlash2Config.from_target(config, mask_token_id=V - 1)
+
+
+def test_gemma4_drafter_takes_its_full_attention_layers_width_and_proportional_rope():
+    """Gemma-4's layers differ in head_dim (global_head_dim on full attention); the drafter reads the
+    full-attention layers' width as it reads their RoPE, whose table is transformers' own."""
+    config = family_config("Gemma-4")
+    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    assert (c.head_dim, c.rope_theta, c.rope_scaling) == (16, 1e6, dict(rope_type="proportional",
+                                                                      partial_rotary_factor=0.25)), f"read as {c}"
+    full = config.get_text_config().per_layer_config[3]
+    theirs = transformers.ROPE_INIT_FUNCTIONS["proportional"](config.get_text_config(), layer_type="full_attention")[0]
+    ours = dflash2.rope_frequencies(c)[0]
+    assert full.head_dim == 16 and torch.equal(ours, theirs), f"inverse frequencies {ours} != transformers' {theirs}"
+    assert int((ours == 0).sum()) == 16 // 2 - int(0.25 * 16 // 2), "proportional RoPE leaves the rest of a head unrotated"
+
+
 # -----------------------------------------------------------------------------
 # the target's embedding and logit transforms
 
 
-VIEWS = {"Gemma-2": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=30.0),
-         "Gemma-3": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=None),
-         "Granite": dict(input_embedding_scale=12.0, output_multiplier=1 / 8.0, final_logit_softcapping=None),
-         "Qwen3": dict(input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None)}
+PLAIN_VIEW = dict(input_embedding_scale=1.0, output_multiplier=1.0, final_logit_softcapping=None)
+VIEWS = {  # the transforms each family's forward applies to its tables, as the family tests' configs set them
+    "Gemma-2": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=30.0),
+    "Gemma-3": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=None),
+    "Gemma-4": dict(input_embedding_scale=H ** 0.5, output_multiplier=1.0, final_logit_softcapping=30.0),
+    "Granite": dict(input_embedding_scale=12.0, output_multiplier=1 / 8.0, final_logit_softcapping=None),
+    "Granite-4": dict(input_embedding_scale=12.0, output_multiplier=1 / 8.0, final_logit_softcapping=None),
+    "Falcon-H1": dict(input_embedding_scale=2.0, output_multiplier=0.039, final_logit_softcapping=None),
+    # Muse-Glimmer's class defaults; its embedding module also RMS-normalises the rows, which the engines
+    # do not (target.NORMALISED_EMBEDDINGS)
+    "Muse-Glimmer": dict(input_embedding_scale=1.0, output_multiplier=0.19611613513818404, final_logit_softcapping=20.0),
+}
 
 
-@pytest.mark.parametrize("family", VIEWS)
+@pytest.mark.parametrize("family", FAMILIES)
 def test_the_drafter_reads_the_target_as_its_own_forward_does(family):
     target = family_target(family)
     c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
-    got = {k: getattr(c, k) for k in VIEWS[family]}
-    assert got == VIEWS[family], f"{family}: the transforms read from its config are {got}"
+    want = VIEWS.get(family, PLAIN_VIEW)
+    got = {k: getattr(c, k) for k in want}
+    assert got == pytest.approx(want), f"{family}: the transforms read from its config are {got}, not {want}"
     ids = torch.randint(0, V - 1, (1, 10), generator=torch.Generator().manual_seed(0))
     check_target_view(c, target, ids)  # the family's own forward agrees
     for field, plain in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0), ("final_logit_softcapping", None)):
@@ -169,7 +253,7 @@ def test_the_block_embeddings_are_the_raw_rows_times_the_scale():
     assert not torch.equal(ours, target.get_input_embeddings()(ids)), "bf16 √H rounding: this test could not fail"
 
 
-@pytest.mark.parametrize("family", ["Gemma-2", "Granite", "Llama-3.x", "gpt-oss"])
+@pytest.mark.parametrize("family", ["Gemma-2", "Granite", "Llama-3.x", "gpt-oss", "Falcon-H1", "Muse-Glimmer", "Gemma-4"])
 def test_an_export_declares_the_targets_rope_and_transforms_and_loads_back(tmp_path, family):
     target = family_target(family)
     drafter = family_drafter(target)
@@ -178,8 +262,10 @@ def test_an_export_declares_the_targets_rope_and_transforms_and_loads_back(tmp_p
     c = drafter.config
     declared = {k: config["dflash_config"].get(k, plain) for k, plain in checkpoint.VIEW_FIELDS.items()}
     assert declared == {k: getattr(c, k) for k in checkpoint.VIEW_FIELDS}, f"{family}: the export declares {declared}"
-    rope = target.config.rope_parameters
-    assert config["rope_parameters"] == {k: v for k, v in rope.items() if k != "partial_rotary_factor"}, (
+    rope = target.config.get_text_config().rope_parameters
+    rope = rope.get("full_attention", rope)  # Gemma-4's per-layer-type sets: the full-attention one
+    kept = {k: v for k, v in rope.items() if k != "partial_rotary_factor" or rope["rope_type"] == "proportional"}
+    assert config["rope_parameters"] == kept, (
         f"{family}: the export's rope_parameters {config['rope_parameters']} are not the target's {rope}")
     loaded = checkpoint.load_export(tmp_path / "ckpt", dtype=torch.float64)
     assert loaded.config == c, f"{family}: the loaded config differs from the exported one"
@@ -226,8 +312,54 @@ def test_the_family_decodes_losslessly_and_trains(family):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"{family}: losses {losses}"
 
 
-@pytest.mark.parametrize("family", ["Gemma-3", "Mistral"])
-def test_batched_regeneration_on_a_sliding_window_target_equals_the_plain_greedy_loop(family):
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_a_hybrid_target_rolls_back_exactly_through_partly_wrong_drafts(monkeypatch, family):
+    """Drafts right for 2, 0, 3 (all), 1, ... slots of B − 1 = 3: every rollback size of the recurrent
+    states (linear attention, Mamba, short convolutions) and the attention layers. The output must equal
+    the target's greedy continuation computed without a cache, and each verification's logits a fresh
+    forward over the committed tokens and that verification's input."""
+    target = family_target(family)
+    drafter = family_drafter(target)
+    prompt = torch.randint(3, V - 1, (PROMPT,), generator=torch.Generator().manual_seed(8)).tolist()
+    reference = prompt + argmax_loop(target, prompt, NEW + drafter.config.block_size)[0]
+    force_drafts(monkeypatch, drafter, reference, [2, 0, 3, 1])
+    calls = record_forward(monkeypatch, target)
+    spec, stats = dflash2.spec_generate(drafter, target, torch.tensor([prompt]), NEW)
+    monkeypatch.undo()
+    assert spec.tolist() == reference[PROMPT:PROMPT + NEW], (
+        f"{family}: spec_generate {spec.tolist()} != the uncached greedy loop {reference[PROMPT:PROMPT + NEW]}")
+    assert stats.acceptance_lengths[:4] == [3, 1, 4, 2], f"{family}: acceptance lengths {stats.acceptance_lengths}"
+    committed = PROMPT + np.cumsum([0] + stats.acceptance_lengths)
+    tolerance = 5e-5  # transformers' reference recurrent kernels compute in float32; a misaligned state: 3e-4 to 0.1
+    with torch.no_grad():
+        for i, ((ids,), _, out) in enumerate(calls[1:]):
+            fresh = target(torch.cat([torch.tensor([reference[:committed[i]]]), ids], 1)).logits[0, committed[i]:]
+            error = float((out.logits[0] - fresh).abs().max())
+            assert error < tolerance, f"{family}, cycle {i}: the rolled-back cache's logits differ from a fresh " \
+                                      f"forward by {error:.3g}"
+
+
+def test_a_hybrid_target_is_sampled_by_its_law():
+    """Qwen3.5 (Gated DeltaNet and attention) at V = 8: the first 3 tokens of spec_generate, drafted and
+    rolled back through its recurrent states, against the target's exact joint (chi-square)."""
+    target = family_target("Qwen3.5", vocab_size=8, seed=2)
+    drafter = family_drafter(target, mask_token_id=7, selector_top_k=4, conv_kernel_size=0)
+    with torch.no_grad():  # flatter unary logits: drafts are often accepted, and every branch is seen
+        drafter.norm.weight.mul_(0.3)
+    prompt, runs = (1, 2, 3), 200
+    g, counts, first_cycle = torch.Generator().manual_seed(0), np.zeros((8, 8, 8)), []
+    for _ in range(runs):
+        out, stats = dflash2.spec_generate(drafter, target, torch.tensor([prompt]), 4, 1.0, generator=g)
+        counts[tuple(out[:3].tolist())] += 1
+        first_cycle.append(stats.acceptance_lengths[0])
+    seen = np.bincount(first_cycle, minlength=4)[1:]
+    assert seen.all(), f"first-cycle acceptance lengths 1/2/3 seen {seen.tolist()} times: a rollback size is never exercised"
+    pvalue = chi_square_pvalue(counts, exact_joint3(target, prompt, 1.0, 1.0, 0).numpy(), "Qwen3.5")
+    assert pvalue > 1e-6, f"the first 3 tokens depart from the hybrid target's exact joint: p = {pvalue:.3g}"
+
+
+@pytest.mark.parametrize("family", ["Gemma-3", "Mistral", "Qwen3.5", "LFM2", "Falcon-H1"])
+def test_batched_regeneration_on_a_sliding_window_or_hybrid_target_equals_the_plain_greedy_loop(family):
     target = family_target(family)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, V - 1, (n,), generator=g).tolist() for n in (PROMPT, 5)]  # left-padded together

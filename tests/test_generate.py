@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import argmax_loop, chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
+from conftest import (argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward, replace_q,
+                      tiny_drafter, tiny_qwen3)
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
 
@@ -44,38 +45,6 @@ MAX_NEW = 20
 def greedy_reference(target):
     """prompt -> prompt + greedy continuation, long enough for a full block past MAX_NEW."""
     return {p: naive_greedy(target, p, MAX_NEW + 8) for p in PROMPTS}
-
-
-def record_forward(monkeypatch, module):
-    """Wrap module.forward; returns the list of (args, kwargs, output) of its calls."""
-    calls, forward = [], module.forward
-
-    def recorded(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        calls.append((args, kwargs, out))
-        return out
-
-    monkeypatch.setattr(module, "forward", recorded)
-    return calls
-
-
-def force_drafts(monkeypatch, drafter, reference, n_right):
-    """Make spec_generate's drafter propose reference's tokens (the whole greedy sequence,
-    prompt included) for the first n_right[c % len(n_right)] slots of cycle c and wrong
-    tokens after that. The anchor's absolute position is read off the block positions the
-    drafter was called with. Returns the drafter's recorded forward calls."""
-    calls, propose = record_forward(monkeypatch, drafter), drafter.propose
-    B, V = drafter.config.block_size, drafter.config.vocab_size
-
-    def forced(h, unary, anchor, temperature=0.0, generator=None, **filters):
-        path, cand, q = propose(h, unary, anchor, temperature, generator, **filters)
-        a, j = int(calls[-1][0][1][0, 0]), n_right[(len(calls) - 1) % len(n_right)]
-        assert int(anchor) == reference[a], f"anchor {int(anchor)} at position {a}, the greedy sequence has {reference[a]}"
-        right = torch.tensor(reference[a + 1:a + B])
-        return torch.cat([right[:j], (right[j:] + 1) % V])[None], cand, q
-
-    monkeypatch.setattr(drafter, "propose", forced)
-    return calls
 
 
 def expected_acceptance_lengths(n_right, block_size, max_new_tokens):
@@ -460,18 +429,6 @@ def without_selector(drafter):
     return unary
 
 
-@torch.no_grad()
-def exact_joint3(target, temperature, top_p, top_k):
-    """p(x1) p(x2|x1) p(x3|x1,x2) after the prompt, (V, V, V), from one batched forward."""
-    V = LOOP_V
-    pairs = torch.tensor(list(itertools.product(range(V), repeat=2)))
-    logits = target(torch.cat([torch.tensor([LOOP_PROMPT]).expand(len(pairs), -1), pairs], 1)).logits[:, -3:]
-    p = sampling_probs(logits, temperature, top_p, top_k)                           # (V^2, 3, V)
-    x1, x2 = pairs[:, 0], pairs[:, 1]
-    rows = torch.arange(len(pairs))
-    return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)
-
-
 @pytest.mark.parametrize("temperature, top_p, top_k, q_kind", [
     (0.7, 1.0, 0, "walk"), (1.0, 1.0, 0, "walk"), (1.6, 1.0, 0, "walk"), (1.0, 0.9, 5, "walk"),
     (1.0, 1.0, 3, "unary"), (1.0, 0.8, 0, "unary"), (1.3, 0.9, 4, "unary"),
@@ -499,7 +456,7 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
         first_cycle.append(stats.acceptance_lengths[0])
     al = np.bincount(first_cycle, minlength=4)[1:]
     assert al[0] and al[1] and al[2], f"first-cycle acceptance lengths 1/2/3 seen {al.tolist()} times: some branch is never exercised"
-    pvalue = chi_square_pvalue(counts, exact_joint3(target, temperature, top_p, top_k).numpy(), q_kind)
+    pvalue = chi_square_pvalue(counts, exact_joint3(target, LOOP_PROMPT, temperature, top_p, top_k).numpy(), q_kind)
     print(f"T={temperature} top_p={top_p} top_k={top_k} q={q_kind}: chi-square p = {pvalue:.3g}")
     if q_kind in ("walk", "unary"):
         assert pvalue > 1e-6, f"joint of the first 3 tokens departs from the target's exact joint: p = {pvalue:.3g}"
