@@ -431,6 +431,21 @@ def test_a_speculators_dflash_v1_checkpoint_loads_as_v1(tmp_path, target):
     assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(v1, target, inputs, 0.0), "speculators v1")
 
 
+def test_a_dflash_v1_sliding_drafters_speculators_export_is_non_causal_and_loads_back(tmp_path, target):
+    """speculators' "dflash" type defaults to causal sliding layers; a DFlash block is bidirectional,
+    so the export must say sliding_window_non_causal, or vLLM reads another drafter (and the loader refuses)."""
+    v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0, sliding_window=3,
+                            layer_types=["sliding_attention", "full_attention"])
+    checkpoint.save_export(v1, tmp_path / "v1", torch.float32, export_format="speculators", verifier=VERIFIER)
+    config = json.loads((tmp_path / "v1" / "config.json").read_text())
+    said = {k: config.get(k) for k in ("speculators_model_type", "sliding_window_non_causal")}
+    assert said == {"speculators_model_type": "dflash", "sliding_window_non_causal": True}, f"the export says {said}"
+    loaded = checkpoint.load_export(tmp_path / "v1", num_target_layers=3)
+    assert shape_of(loaded.config) == shape_of(v1.config), f"loaded as {loaded.config}, not {v1.config}"
+    inputs = draft_inputs(v1, target)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(v1, target, inputs, 0.0), "speculators v1, sliding")
+
+
 @pytest.mark.parametrize("dflash2", [True, False], ids=["dflash2", "v1"])
 @pytest.mark.parametrize("export_format", ["z-lab", "speculators"])
 def test_round_trip_in_both_formats_writes_the_expected_config(tmp_path, target, export_format, dflash2):
@@ -541,6 +556,38 @@ def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_
              "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
     edit_config(path, lambda c: c.update(plain))
     checkpoint.load_export(path)
+
+
+def test_a_z_lab_config_with_the_view_fields_at_its_top_level_loads_them(tmp_path, saved_checkpoint):
+    """z-lab reads each of the target's transforms from dflash_config, else from the top level."""
+    path = tmp_path / "ckpt"
+    shutil.copytree(saved_checkpoint, path)
+    view = {"final_logit_softcapping": 20.0, "output_multiplier": 0.19611613513818404, "input_embedding_scale": 5.0}
+    edit_config(path, lambda c: c.update(view))
+    loaded = {k: getattr(checkpoint.load_export(path).config, k) for k in view}
+    assert loaded == view, f"the top level's {view} loaded as {loaded}"
+    edit_config(path, lambda c: c["dflash_config"].update(output_multiplier=0.5))
+    loaded = checkpoint.load_export(path).config.output_multiplier
+    assert loaded == 0.5, f"output_multiplier 0.5 in dflash_config, {view['output_multiplier']} on top: read {loaded}"
+
+
+@pytest.mark.parametrize("export_format", ["z-lab", "speculators"])
+def test_sliding_layer_types_without_use_sliding_window_load_as_full_attention(tmp_path, target, export_format):
+    """Qwen3Config drops sliding_window unless use_sliding_window, and the engines then run every layer
+    with full attention: the loader reads the same drafter, and refuses nothing."""
+    drafter = checkpoint_drafter(target)
+    checkpoint.save_export(drafter, tmp_path / "ckpt", torch.float32, export_format=export_format, verifier=VERIFIER)
+    sliding = {"layer_types": ["sliding_attention"] * 2, "use_sliding_window": False, "sliding_window": 2}
+    if export_format == "z-lab":  # z-lab makes sliding_attention layers causal unless is_causal is false
+        edit_config(tmp_path / "ckpt", lambda c: c.update(sliding, is_causal=False))
+    else:
+        edit_config(tmp_path / "ckpt", lambda c: c["transformer_layer_config"].update(sliding))
+    loaded = checkpoint.load_export(tmp_path / "ckpt", num_target_layers=3)
+    read = (loaded.config.layer_types, loaded.config.sliding_window)
+    assert read == (None, None), f"{export_format}: read as layer_types, sliding_window = {read}, not full attention"
+    inputs = draft_inputs(drafter, target)
+    assert_same_drafts(drafts(loaded, target, inputs, 0.0), drafts(drafter, target, inputs, 0.0),
+                       f"{export_format}, use_sliding_window false")
 
 
 MALFORMED = {

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import checkpoint
 import dflash2
@@ -193,6 +194,118 @@ def test_gemma4_drafter_takes_its_full_attention_layers_width_and_proportional_r
     assert int((ours == 0).sum()) == 16 // 2 - int(0.25 * 16 // 2), "proportional RoPE leaves the rest of a head unrotated"
 
 
+def rotary_tables(config, length, *layer_type):
+    """transformers' own cos / sin at positions 0..length−1, from a fresh rotary embedding of the
+    config's model (the dynamic and longrope ones keep state between calls)."""
+    rotary = transformers.AutoModelForCausalLM.from_config(config).model.rotary_emb
+    return rotary(torch.zeros(1, length, config.head_dim), torch.arange(length)[None], *layer_type)
+
+
+def our_tables(c, length):
+    return dflash2.rope_cos_sin(torch.arange(length)[None], *dflash2.rope_frequencies(c, length), torch.float32)
+
+
+def max_diff(ours, theirs):
+    return max(float((a - b).abs().max()) for a, b in zip(ours, theirs))
+
+
+def test_a_gemma3_drafter_rotates_with_its_full_attention_layers_theta_and_exports_it(tmp_path):
+    """Gemma-3's sliding layers rotate with θ = 1e4, its full-attention layers with 1e6: the drafter
+    takes the full layers' RoPE (§1), declares it in its export and loads it back."""
+    target = family_target("Gemma-3")
+    thetas = {kind: p["rope_theta"] for kind, p in target.config.rope_parameters.items()}
+    assert thetas == {"sliding_attention": 1e4, "full_attention": 1e6}, f"Gemma-3's θ are {thetas}: no test here"
+    drafter = family_drafter(target)
+    full, sliding = (rotary_tables(target.config, 100, kind) for kind in ("full_attention", "sliding_attention"))
+    assert max_diff(full, sliding) > 0.1, "the two layer types rotate alike: this test could not fail"
+    diff = max_diff(our_tables(drafter.config, 100), full)
+    assert diff == 0, (f"the drafter's tables differ from the full-attention layers' by {diff:.3g} "
+                       f"(rope_theta {drafter.config.rope_theta})")
+    checkpoint.save_export(drafter, tmp_path / "ckpt", dtype=torch.float32)
+    config = json.loads((tmp_path / "ckpt" / "config.json").read_text())
+    exported = (config["rope_theta"], config["rope_parameters"])
+    assert exported == (1e6, {"rope_type": "default", "rope_theta": 1e6}), f"the export declares θ as {exported}"
+    loaded = checkpoint.load_export(tmp_path / "ckpt", dtype=torch.float64).config
+    diff = max_diff(our_tables(loaded, 100), full)
+    assert diff == 0, f"the loaded drafter (θ {loaded.rope_theta}) differs from the full layers' tables by {diff:.3g}"
+
+
+YARN_LEFT_OUT = {  # keys left to transformers' defaults (None: left out) -> the same keys set against them
+    "Qwen3: all left out": (dict(beta_fast=None, beta_slow=None, truncate=None), dict(truncate=False)),
+    "DeepSeek: no truncate": (dict(truncate=None, mscale=1.0, mscale_all_dim=1.0), dict(truncate=False)),
+    "no beta_fast": (dict(beta_fast=None), dict(beta_fast=16.0))}
+
+
+@pytest.mark.parametrize("case", YARN_LEFT_OUT)
+def test_yarn_without_truncate_or_beta_fast_takes_transformers_defaults(case):
+    """transformers' yarn truncates and takes β_fast = 32 where the config leaves them out. L₀ = 256 and
+    θ = 1e4 put both β's dimensions inside the head, so that either default changes the tables."""
+    left_out, against = YARN_LEFT_OUT[case]
+    yarn = {**YARN, "rope_theta": 1e4, "original_max_position_embeddings": 256, **left_out}
+    rope = {k: v for k, v in yarn.items() if v is not None}
+    config = transformers.Qwen3Config(**{**SHAPE, "max_position_embeddings": 1024, "rope_parameters": rope})
+    theirs = rotary_tables(config, 100)
+    diff = max_diff(our_tables(DFlash2Config.from_target(config, mask_token_id=V - 1), 100), theirs)
+    assert diff == 0, f"{case}: cos / sin differ from transformers' by {diff:.3g}"
+    config.rope_parameters = {**rope, **against}
+    assert max_diff(rotary_tables(config, 100), theirs) > 0.1, f"{case}: {against} changes nothing: no test here"
+
+
+def small_drafter_config(target_config):
+    return DFlash2Config.from_target(target_config, mask_token_id=V - 1, num_layers=1, block_size=4,
+                                     conv_group_size=8, selector_rank=4)
+
+
+def test_longrope_takes_its_short_factors_through_the_original_context_and_the_long_ones_past_it():
+    """transformers takes the long factors once the sequence is longer than L₀ (its last position >= L₀).
+    The drafter's forward takes them from its own positions: on either side of the boundary it computes
+    what the same drafter computes with both factor lists set to the short, or to the long, ones."""
+    L0 = 8
+    config = transformers.Phi3Config(**{**SHAPE, "rope_parameters": dict(LONGROPE),
+                                        "original_max_position_embeddings": L0})
+    c = small_drafter_config(config)
+    for length, factors in ((L0, "short_factor"), (L0 + 1, "long_factor")):
+        diff = max_diff(our_tables(c, length), rotary_tables(config, length))
+        assert diff == 0, f"{length} positions: cos / sin differ from transformers' by {diff:.3g}"
+        inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=length)
+        assert torch.equal(dflash2.rope_frequencies(c, length)[0], inv_freq), (
+            f"{length} positions: the inverse frequencies are not transformers' of the {factors}")
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(c).double().eval()
+    pinned = {}
+    for kind in ("short", "long"):
+        factors = LONGROPE[f"{kind}_factor"]
+        pinned[kind] = DFlash2Drafter(dataclasses.replace(c, rope_scaling={
+            **c.rope_scaling, "short_factor": factors, "long_factor": factors})).double().eval()
+        pinned[kind].load_state_dict(drafter.state_dict())
+    g = torch.Generator().manual_seed(1)
+    embeds, ctx = torch.randn(1, 4, H, generator=g), torch.randn(1, L0, len(c.target_layer_ids) * H, generator=g)
+    with torch.no_grad():
+        for anchor, kind in ((L0 - 4, "short"), (L0 - 3, "long")):  # the block's last position: L₀ − 1, then L₀
+            args = (embeds.double(), torch.arange(anchor, anchor + 4)[None], ctx[:, :anchor].double(),
+                    torch.arange(anchor)[None])
+            apart = float((pinned["short"](*args) - pinned["long"](*args)).abs().max())
+            assert apart > 1e-3, f"the two factor lists draft alike ({apart:.3g} apart): no test here"
+            diff = float((drafter(*args) - pinned[kind](*args)).abs().max())
+            assert diff == 0, f"last position {anchor + 3}: the forward differs from the {kind} factors' by {diff:.3g}"
+
+
+def test_dynamic_rope_serves_the_last_position_of_its_context():
+    """Dynamic RoPE is plain RoPE while the sequence fits max_position_embeddings = 128: positions
+    0..127 are served as transformers computes them, and a block reaching position 128 is refused."""
+    config = transformers.LlamaConfig(**{**SHAPE, "rope_parameters": dict(ROPES["dynamic"][1])})
+    c = small_drafter_config(config)
+    diff = max_diff(our_tables(c, 128), rotary_tables(config, 128))
+    assert diff == 0, f"positions 0..127: cos / sin differ from transformers' by {diff:.3g}"
+    torch.manual_seed(0)
+    drafter = DFlash2Drafter(c).eval()
+    embeds, ctx = torch.randn(1, 4, H), torch.randn(1, 125, len(c.target_layer_ids) * H)
+    with torch.no_grad():
+        drafter(embeds, torch.arange(124, 128)[None], ctx[:, :124], torch.arange(124)[None])  # the block ends at 127
+        with pytest.raises(ValueError, match="dynamic RoPE at position 128, past max_position_embeddings"):
+            drafter(embeds, torch.arange(125, 129)[None], ctx, torch.arange(125)[None])
+
+
 # -----------------------------------------------------------------------------
 # the target's embedding and logit transforms
 
@@ -251,6 +364,76 @@ def test_the_block_embeddings_are_the_raw_rows_times_the_scale():
     engines = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight) * float(H ** 0.5)
     assert torch.equal(ours, engines), "the drafter's block embeddings are not the raw rows times input_embedding_scale"
     assert not torch.equal(ours, target.get_input_embeddings()(ids)), "bf16 √H rounding: this test could not fail"
+
+
+def test_logits_with_a_multiplier_and_soft_capping_are_the_cap_of_the_multiplied_logits():
+    """The published z-lab DFlash2 config has both: logits = c·tanh(m·y / c), the multiplier first."""
+    c = DFlash2Config.from_target(transformers.Qwen3Config(**SHAPE), mask_token_id=V - 1, **PUBLISHED_VIEW)
+    m, cap = PUBLISHED_VIEW["output_multiplier"], PUBLISHED_VIEW["final_logit_softcapping"]
+    torch.manual_seed(0)
+    lm_head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    lm_head.weight.normal_()
+    x = 10 * torch.randn(3, 5, H)  # raw logits y of a few hundred: m·y / c reaches ±3, where tanh bends
+    y = x.double() @ lm_head.weight.double().T
+    want = cap * torch.tanh(m * y / cap)
+    assert float((want - m * cap * torch.tanh(y / cap)).abs().max()) > 1, "the order changes nothing: no test here"
+    for upcast in (True, False):
+        for few_rows in (False, True):
+            diff = float((dflash2.target_logits(c, lm_head, x, upcast, few_rows).double() - want).abs().max())
+            assert diff < 1e-4, f"upcast {upcast}, few_rows {few_rows}: logits off c·tanh(m·y / c) by {diff:.3g}"
+
+
+def family_head(target):
+    """The family's logits of final hidden states, in float64, written from its config as its forward
+    computes them (Gemma-2: soft-capped, Granite: ÷ logits_scaling)."""
+    tc, w = target.config, target.get_output_embeddings().weight.double()
+    cap, scaling = getattr(tc, "final_logit_softcapping", None), getattr(tc, "logits_scaling", 1.0)
+
+    def head(h):
+        y = h.double() @ w.T / scaling
+        return cap * torch.tanh(y / cap) if cap else y
+    return head
+
+
+BITING = {"Gemma-2": dict(final_logit_softcapping=3.0), "Granite": {}}  # Gemma-2: a cap at the logits' size
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "formula"])
+@pytest.mark.parametrize("family", BITING)
+def test_the_training_loss_reads_the_targets_transformed_logits_on_both_sides(family, fused):
+    """L_unary = Σ w_k·KL(softmax(r) ‖ softmax(z)) / Σ w_k over the slots, r the target's own forward
+    logits at t − 1 and z the family's logits of the drafter's output (family_head, checked against
+    that forward), whichever implementation computes the loss."""
+    target = family_target(family, **BITING[family])
+    drafter = family_drafter(target, selector_top_k=0)
+    c, B, gamma = drafter.config, 4, 2.0
+    ids = torch.randint(0, V - 1, (1, 16), generator=torch.Generator().manual_seed(8))
+    ones, anchors = torch.ones_like(ids), torch.tensor([[2, 7, 12]])  # every slot t = a + k < 16 counts
+    context, last = target_features(target, ids, ones, c.target_layer_ids)
+    cfg = dflash2.LossConfig(gamma=gamma, fused=fused)
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    _, stats = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors, valid, cfg)
+    head, lm_head = family_head(target), target.get_output_embeddings().weight.double()
+    with torch.no_grad():
+        r = target(ids).logits[0].double()
+        off = float((head(last[0]) - r).abs().max())
+        assert off < 1e-9, f"{family}: family_head differs from the target's forward logits by {off:.3g}"
+        block, pos = dflash2.block_layout(ids, anchors, B, c.mask_token_id)
+        h = drafter(dflash2.embed_tokens(c, target.get_input_embeddings(), block), pos, context,
+                    torch.arange(16)[None], dflash2.block_attention_mask(anchors, ones, B))
+    t = anchors[0, :, None] + torch.arange(1, B)                     # (N, B−1): slot k predicts t = a + k
+    slots, w = h.view(len(t), B, H)[:, 1:], torch.exp(-torch.arange(B - 1, dtype=torch.float64) / gamma)
+
+    def unary_loss(drafted, reference):  # logits (N, B−1, V)
+        kl = (reference.softmax(-1) * (reference.log_softmax(-1) - drafted.log_softmax(-1))).sum(-1)
+        return float((w * kl).sum() / (len(kl) * w.sum()))
+    want = unary_loss(head(slots), r[t - 1])
+    for side, untransformed in (("drafter", unary_loss(slots.double() @ lm_head.T, r[t - 1])),
+                                ("target", unary_loss(head(slots), last[0, t - 1].double() @ lm_head.T))):
+        moved = abs(untransformed - want)
+        assert moved > 1e-3 * want, f"{family}: the {side}'s logits untransformed move the loss by {moved:.3g}: no test"
+    got = float(stats["unary_loss"])
+    assert abs(got - want) < 1e-9 * want, f"{family}: L_unary {got:.9g} != {want:.9g} ({abs(got - want):.3g} apart)"
 
 
 @pytest.mark.parametrize("family", ["Gemma-2", "Granite", "Llama-3.x", "gpt-oss", "Falcon-H1", "Muse-Glimmer", "Gemma-4"])
@@ -456,6 +639,25 @@ def test_a_sliding_drafter_decodes_losslessly_on_a_sliding_target():
     plain, _ = dflash2.target_generate(target, prompt, NEW)
     spec, _ = dflash2.spec_generate(drafter, target, prompt, NEW)
     assert torch.equal(spec, plain), f"greedy spec_generate {spec.tolist()} != target {plain.tolist()}"
+
+
+def test_a_window_of_one_decodes_losslessly():
+    """W = 1: a sliding layer's query sees its own position only, so its draft cache holds no context
+    at all (W − 1 = 0 positions), and decoding must still be lossless."""
+    target = family_target("Gemma-3")
+    drafter = sliding_drafter(target, window=1)
+    prompt = torch.randint(0, V - 1, (1, PROMPT), generator=torch.Generator().manual_seed(9))
+    plain, _ = dflash2.target_generate(target, prompt, NEW)
+    spec, stats = dflash2.spec_generate(drafter, target, prompt, NEW)
+    assert torch.equal(spec, plain), f"W = 1: greedy spec_generate {spec.tolist()} != target {plain.tolist()}"
+    assert len(stats.acceptance_lengths) > 1, "one cycle: the draft cache was never reused"
+    cache = DraftCache(drafter.config.num_layers)
+    with torch.no_grad():  # one draft pass reading the prompt's features, as decoding's first does
+        states = target(prompt, output_hidden_states=True).hidden_states
+        dflash2.draft_forward(drafter, target.get_input_embeddings(), target.get_output_embeddings(), prompt[0, -1:],
+                              dflash2.context_features(states, drafter.config.target_layer_ids), cache)
+    held = [cache.kv[i][0].shape[2] for i in range(drafter.config.num_layers)]
+    assert held == [0, PROMPT, 0], f"the draft cache holds {held} context positions per layer, not [0, {PROMPT}, 0]"
 
 
 # -----------------------------------------------------------------------------
