@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
+from target import rope_tables
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -230,7 +231,7 @@ def with_parts(drafter, **parts):
     weights it keeps are drafter's, a part it gains starts at its identity init (init_weights:
     tap 0 = 1 and nothing else; a zero successor codebook, so E = U), so the result computes
     exactly what `drafter` computes. How a DFlash (v1) drafter warm-starts DFlash2."""
-    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, **parts))
+    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, **parts), rope=drafter.rope)
     whole.load_state_dict(drafter.state_dict(), strict=False)  # strict=False: the gained part is not in it
     return whole
 
@@ -248,7 +249,7 @@ def with_tables(drafter, embedding):
         for side in ("predecessor", "successor"):
             W = state.pop(f"candidate_selector.{side}_projection.weight").float()
             state[f"candidate_selector.{side}_codebook"] = F.linear(E, W)
-    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"))
+    whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"), rope=drafter.rope)
     whole.load_state_dict(state)
     return whole
 
@@ -345,7 +346,8 @@ def load_export(path, dtype=torch.float32, num_target_layers=None, **overrides):
         raise ValueError(f"the drafter in {path} has num_target_layers {recorded} but the target has "
                          f"{num_target_layers}: a drafter only fits the target it was trained for")
     file_is_v1 = (fields.get("conv_kernel_size"), fields.get("selector_top_k")) == (0, 0)
-    drafter = dflash2.DFlash2Drafter(dflash2.DFlash2Config(**{**fields, **overrides}))
+    c = dflash2.DFlash2Config(**{**fields, **overrides})
+    drafter = dflash2.DFlash2Drafter(c, rope=rope_tables(c))
     try:
         tensors = load_file(weights_file)
     except Exception as e:  # a truncated file, a pickle, anything that is not safetensors

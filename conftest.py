@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash2 import DFlash2Config, DFlash2Drafter, sampling_probs
+from dflash2 import DFlash2Drafter, sampling_probs
+from target import drafter_config
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
     kernels."""
     torch.manual_seed(seed)
     shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
-    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
+    drafter = DFlash2Drafter(drafter_config(target.config, **{**shape, **overrides}))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.startswith("candidate_selector."):

@@ -29,29 +29,31 @@ import argparse
 import torch
 
 import dflash2
-from target import load_config, model_class
+import target
+from target import load_config
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
 DRAFTER_BYTES_PER_PARAM = 16
-# live (n, V) fp32 tensors at the peak of one chunk's recomputed backward: the logits of the
-# drafter and of the target (bf16 below a float32 target, so there 4 is an upper bound), and the
-# two softmaxes FusedUnaryLoss keeps (the gradient is built in one of them); 4 fits the measured peaks
-LOSS_TENSORS_PER_SLOT = 4
+# live (n, V) fp32 tensors at the peak of one chunk's recomputed backward of the eager formula
+# (dflash2.slot_sums): the logits of the drafter and of the target, log q, p, and log_softmax's
+# gradient with its input's; 6 fits the measured peaks. The compiled loss train.py runs where a
+# compiler exists fuses some of them away, so there the plan is an upper bound
+LOSS_TENSORS_PER_SLOT = 6
 
 
 def drafter_config(target_config, **overrides):
     """The drafter a run would build on this target (mask token 0: it changes no size)."""
-    return dflash2.DFlash2Config.from_target(target_config, **{"mask_token_id": 0, **overrides})
+    return target.drafter_config(target_config, **{"mask_token_id": 0, **overrides})
 
 
 def parameter_counts(target_config, c):
     """(target, drafter) parameters, built on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        target = model_class(target_config).from_config(target_config)
-        drafter = dflash2.DFlash2Drafter(c)
+        model = target.model_class(target_config).from_config(target_config)
+        drafter = dflash2.DFlash2Drafter(c, rope=target.rope_tables(c))
     count = lambda m: sum(p.numel() for p in m.parameters())  # tied embeddings counted once
-    return count(target), count(drafter)
+    return count(model), count(drafter)
 
 
 def layer_bytes(c, amp):

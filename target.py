@@ -1,7 +1,12 @@
 """
-The frozen target of train.py: where it lives, its tokenizer, config and weights, the check
-that the drafter reads its tables as its own forward does, and the mask token the drafter's
-blocks are filled with (ALGORITHM.md §1).
+The frozen target of train.py: where it lives, its tokenizer, config and weights; what its family
+applies, read from its config with transformers' own functions (the drafter's shape and RoPE, the
+transforms of its tables), and the check that the drafter reads its tables as its own forward does;
+the mask token the drafter's blocks are filled with (ALGORITHM.md §1); its features, cached.
+
+    c = drafter_config(target.config, mask_token_id=m)      # the drafter of this target
+    drafter = dflash2.DFlash2Drafter(c, rope=rope_tables(c))
+    view = decoding_view(c, target)                          # the target as the drafter reads it
 
     tokenizer = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")    # a hub id or a model folder
     model = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))   # or a GGUF file
@@ -105,6 +110,158 @@ def load_target(target, dtype_flag, device):
     return model.to(device).eval().requires_grad_(False)
 
 
+# -----------------------------------------------------------------------------
+# the target's family: the drafter's shape, RoPE and view of the tables (ALGORITHM.md §1)
+
+
+def drafter_config(target_config, **overrides):
+    """The DFlash2Config of a drafter for this transformers target config: its width, RoPE (config_rope) and
+    table transforms (config_transforms); overrides set any other field (mask_token_id is required)."""
+    dflash2.require("mask_token_id" in overrides,
+                    "drafter_config needs mask_token_id: an existing but unused token id of the target")
+    tc = text_config(target_config)
+    L, n_heads = tc.num_hidden_layers, tc.num_attention_heads
+    shape = dict(hidden_size=tc.hidden_size, vocab_size=tc.vocab_size,
+                 intermediate_size=overrides.get("intermediate_size") or mlp_width(tc),
+                 num_heads=n_heads, num_kv_heads=getattr(tc, "num_key_value_heads", None) or n_heads,
+                 head_dim=getattr(tc, "head_dim", None) or tc.hidden_size // n_heads,
+                 num_target_layers=L, target_layer_ids=dflash2.default_target_layer_ids(L),
+                 rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
+                 **config_rope(tc), **config_transforms(tc))
+    c = dflash2.DFlash2Config(**{**shape, **dflash2.known_fields(overrides)})
+    check_rope(c)
+    return c
+
+
+def text_config(target_config):
+    """The language model's config of a target (a multimodal wrapper's text_config), read through its
+    full-attention layers where layers differ in width (Gemma-4's head_dim), as its RoPE is (config_rope).
+    Hyper-connection targets (DeepSeek-V4) are refused: each layer returns several residual streams
+    (b, S, streams, H), and a DFlash context feature is one (b, S, H) state per layer."""
+    tc = target_config.get_text_config()
+    dflash2.require(not getattr(tc, "hc_mult", None),
+                    f"the {tc.model_type!r} target has hyper-connections (hc_mult {getattr(tc, 'hc_mult', None)}): "
+                    "its layers return several residual streams, and the drafter reads one hidden state per layer")
+    if getattr(tc, "is_heterogeneous", False):
+        kinds = getattr(tc, "layer_types", None) or ()
+        tc = tc.per_layer_config["full_attention" if "full_attention" in kinds else 0]
+    return tc
+
+
+def mlp_width(tc):
+    """The target's intermediate_size; an MoE config without one (Qwen3.5-MoE) gives the width a token's routed
+    experts add up to, moe_intermediate_size × num_experts_per_tok."""
+    if getattr(tc, "intermediate_size", None):
+        return tc.intermediate_size
+    moe, k = getattr(tc, "moe_intermediate_size", None), getattr(tc, "num_experts_per_tok", None)
+    dflash2.require(moe and k, f"the target's {tc.model_type!r} config has no intermediate_size (nor "
+                    "moe_intermediate_size and num_experts_per_tok to take it from): pass intermediate_size for "
+                    "the drafter's MLP")
+    return moe * k
+
+
+def config_rope(tc):
+    """The target's rope_parameters as DFlash2Config's rope_theta and rope_scaling (None: plain RoPE), §1:
+    Gemma-3/4's full-attention set; partial_rotary_factor ignored (whole heads rotate) but under longrope, and
+    kept under proportional, whose table it defines (the rest of each head is not rotated)."""
+    rope = dict(getattr(tc, "rope_parameters", None) or {})
+    rope = dict(rope.get("full_attention", rope))
+    partial = rope.pop("partial_rotary_factor", None) or getattr(tc, "partial_rotary_factor", None) or 1.0
+    theta = rope.pop("rope_theta", None) or getattr(tc, "rope_theta", None) or 1e6
+    kind = rope.pop("type", None) or rope.get("rope_type", "default")
+    if kind == "longrope" and partial != 1:
+        raise ValueError(f"target rope_type 'longrope' with partial_rotary_factor {partial}: its factors cover part "
+                         "of a head, and the drafter rotates whole heads")
+    if kind == "proportional" and partial != 1:
+        rope["partial_rotary_factor"] = partial
+    if "original_max_position_embeddings" in ROPE_KEYS.get(kind, ()) and hasattr(
+            tc, "original_max_position_embeddings"):
+        rope.setdefault("original_max_position_embeddings", tc.original_max_position_embeddings)
+    return dict(rope_theta=theta, rope_scaling=None if kind == "default" else {**rope, "rope_type": kind})
+
+
+def config_transforms(tc):
+    """What the target's forward does to its tables (§1; Gemma's √H and soft-cap, Granite's and Falcon-H1's
+    multipliers, Muse-Glimmer's multiplier before its cap), as DFlash2Config fields. A family that does
+    anything else is caught by check_target_view."""
+    gemma = tc.model_type.startswith(("gemma", "recurrent_gemma"))
+    multiplier = getattr(tc, "output_multiplier", None) or getattr(tc, "lm_head_multiplier", None) or 1.0
+    return dict(input_embedding_scale=tc.hidden_size ** 0.5 if gemma else getattr(tc, "embedding_multiplier", 1.0),
+                output_multiplier=multiplier / getattr(tc, "logits_scaling", 1.0),
+                final_logit_softcapping=getattr(tc, "final_logit_softcapping", None) or None)
+
+
+ROPE_KEYS = {"default": (), "linear": ("factor",), "dynamic": ("factor",),  # rope_type -> what it reads
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+             "yarn": ("original_max_position_embeddings",),
+             "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+             "proportional": ()}
+
+
+def check_rope(c):
+    """A drafter config's rope_scaling: a type this code has transformers' tables for, with what it reads."""
+    rope = c.rope_scaling or {}
+    kind = rope.get("rope_type", "default")
+    dflash2.require(kind in ROPE_KEYS, f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
+    missing = [k for k in ROPE_KEYS[kind] if rope.get(k) is None]
+    dflash2.require(not missing, f"rope_type {kind!r} needs {missing} in rope_scaling")
+    for k in ("short_factor", "long_factor") if kind == "longrope" else ():
+        dflash2.require(len(rope[k]) == c.head_dim // 2,
+                        f"longrope {k} has {len(rope[k])} entries, expected head_dim / 2 = {c.head_dim // 2}")
+
+
+def rope_tables(c):
+    """The drafter's RoPE of the config's type, from transformers' own table functions: a function (c, positions)
+    -> (inverse frequencies (hd/2,) fp32, cos / sin scale), dflash2.plain_rope's signature. Longrope takes its long
+    factors once a position reaches L₀; dynamic RoPE is refused past max_position_embeddings (its table there
+    depends on the longest sequence the model has read, which no export carries)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    check_rope(c)
+    if (c.rope_scaling or {}).get("rope_type", "default") == "default":
+        return dflash2.plain_rope
+    rope = {**c.rope_scaling, "rope_theta": c.rope_theta}
+    if rope["rope_type"] == "yarn":
+        rope.setdefault("factor", None)  # transformers then takes max_position_embeddings / L₀
+    shape = transformers.LlamaConfig(hidden_size=c.num_heads * c.head_dim, num_attention_heads=c.num_heads,
+                                     head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings,
+                                     rope_parameters=rope)
+    compute, by_length = ROPE_INIT_FUNCTIONS[rope["rope_type"]], rope["rope_type"] in ("longrope", "dynamic")
+    fixed, built_for = None if by_length else compute(shape, None, None), c
+
+    def tables(c, positions):
+        if (c.rope_scaling, c.rope_theta, c.head_dim) != (built_for.rope_scaling, built_for.rope_theta,
+                                                          built_for.head_dim):
+            return rope_tables(c)(c, positions)  # a config with other RoPE fields: its own tables
+        if fixed is not None:
+            return fixed
+        longest = int(positions.max()) + 1
+        dflash2.require(rope["rope_type"] != "dynamic" or longest <= c.max_position_embeddings,
+                        f"dynamic RoPE at position {longest - 1}, past max_position_embeddings "
+                        f"({c.max_position_embeddings}): its frequencies there depend on the model's history")
+        return compute(shape, None, longest)
+    return tables
+
+
+def lm_head_rows(lm_head, x):
+    """lm_head(x) for a draft block's few rows: on a CPU 512 vocabulary rows of the weight at a time, which MKL
+    multiplies about 2× faster than the whole weight (7 × 576 × 49,152 in fp32: 31.8 ms against 14.2; 15 × 2560 ×
+    151,936: 369 against 167, on a 2-core AMD EPYC), the same values to rounding; one product elsewhere, or for a
+    head that is not a plain nn.Linear."""
+    if x.device.type != "cpu" or type(lm_head) is not torch.nn.Linear:
+        return lm_head(x)
+    w = lm_head.weight.split(512)
+    b = lm_head.bias.split(512) if lm_head.bias is not None else [None] * len(w)
+    return torch.cat([torch.nn.functional.linear(x, w_i, b_i) for w_i, b_i in zip(w, b)], dim=-1)
+
+
+def decoding_view(c, target):
+    """dflash2.target_view with the draft block's logits through lm_head_rows: what decoding reads (a draft
+    pass multiplies a handful of rows against the whole vocabulary)."""
+    view, lm_head = dflash2.target_view(c, target), target.get_output_embeddings()
+    return dflash2.TargetView(view.W_in, view.embed,
+                              lambda g: dflash2.transformed_logits(c, lm_head_rows(lm_head, g.to(lm_head.weight.dtype))))
+
+
 # Families whose embedding module RMS-normalises the rows, without a weight, before the first layer. Their
 # published drafter configs declare no transform, and the engines embed the raw rows: the drafter follows the
 # engines (ALGORITHM.md §1), and the check holds the target's embeddings to its rows normalised.
@@ -113,20 +270,20 @@ NORMALISED_EMBEDDINGS = {"muse_glimmer_text"}
 
 @torch.no_grad()
 def check_target_view(c, target, ids):
-    """The drafter's view of the target against the target's own forward on ids (1, n): embed_tokens
-    must give its hidden_states[0] (RMS-normalised first for NORMALISED_EMBEDDINGS) and target_logits of
-    its last hidden state its logits. A family whose forward does anything else to its tables is refused
+    """The drafter's view of the target against the target's own forward on ids (1, n): view.embed must give
+    its hidden_states[0] (RMS-normalised first for NORMALISED_EMBEDDINGS) and view.logits of its last hidden
+    state its logits. A family whose forward does anything else to its tables is refused
     by name, before any training."""
-    embed, lm_head = dflash2.check_target(c, target)
+    view = dflash2.target_view(c, target)
     out = target(ids, output_hidden_states=True)
-    tolerance = 1e-4 if embed.weight.dtype in (torch.float32, torch.float64) else 3e-2
+    tolerance = 1e-4 if view.W_in.dtype in (torch.float32, torch.float64) else 3e-2
     tc = target.config.get_text_config()
-    rows = dflash2.embed_tokens(c, embed, ids)
+    rows = view.embed(ids)
     if tc.model_type in NORMALISED_EMBEDDINGS:
         rows = torch.nn.functional.rms_norm(rows.float(), rows.shape[-1:], eps=tc.rms_norm_eps)
     for what, ours, theirs in (
             ("embeddings (hidden_states[0])", rows, out.hidden_states[0]),
-            ("logits", dflash2.target_logits(c, lm_head, out.hidden_states[-1]), out.logits)):
+            ("logits", view.logits(out.hidden_states[-1]), out.logits)):
         ours, theirs = ours.double(), theirs.double()
         error = float((ours - theirs).abs().max() / theirs.abs().max().clamp(min=1e-30))
         if not error <= tolerance:

@@ -2,9 +2,11 @@
 selector, block masking, anchors, loss and metrics. Every hand-written piece is checked
 against an independent reference (a naive loop, brute force or exact enumeration) on tiny
 random Qwen3 targets built from a config; nothing is downloaded. Comparisons run in
-float64. Run: python -m pytest test_dflash2.py -q
+float64 (in float32 where float32 is the point: underflow, the compiled loss).
+Run: python -m pytest test_dflash2.py -q
 """
 import math
+import shutil
 
 import pytest
 import torch
@@ -12,10 +14,11 @@ import torch.nn.functional as F
 from transformers import Qwen3Config
 
 from conftest import tiny_qwen3
-from dflash2 import (CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, FusedUnaryLoss, LocalConv,
-                     LossConfig, block_attention_mask, block_layout, block_slots, context_features, default_gamma,
-                     default_target_layer_ids, dflash2_loss, dflash2_metrics, expected_acceptance_length, lm_head_rows,
-                     local_conv, sample_anchors, slot_losses)
+from dflash2 import (Batch, CandidateSelector, DFlash2Drafter, DraftCache, LocalConv, LossConfig, TargetView,
+                     block_attention_mask, block_layout, block_slots, context_features, default_gamma,
+                     default_target_layer_ids, dflash2_loss, local_conv, sample_anchors, slot_sums, target_view)
+from metrics import dflash2_metrics, expected_acceptance_length
+from target import drafter_config, lm_head_rows
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
 MASK_ID = V - 1           # never drawn as a data token
@@ -39,9 +42,9 @@ def target_config(**kw):
                        max_position_embeddings=256, **kw)
 
 
-def make_target(lm_head_scale=1.0):
-    """The random target of target_config(), frozen, in float64."""
-    return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale)
+def make_target(lm_head_scale=1.0, dtype=torch.float64):
+    """The random target of target_config(), frozen, in float64 unless asked otherwise."""
+    return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def target():
 def make_config(**overrides):
     small = dict(mask_token_id=MASK_ID, num_layers=2, block_size=B, target_layer_ids=LAYER_IDS,
                  conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
-    return DFlash2Config.from_target(target_config(), **{**small, **overrides})
+    return drafter_config(target_config(), **{**small, **overrides})
 
 
 def make_drafter(seed=0, randomize=False, **overrides):
@@ -100,18 +103,19 @@ def model_logits(target, batch):
         return target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-def loss_inputs(batch):
-    """The loss's plain-tensor inputs of a batch: ids and masks, the context features and the last hidden state."""
+def loss_batch(batch, anchors=ANCHORS, anchor_valid=VALID):
+    """The loss's Batch of a test batch: ids and masks, the context features f and the last hidden state g."""
     hs = batch["hidden_states"]
-    return dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], loss_mask=batch["loss_mask"],
-                context=context_features(hs, LAYER_IDS), last_hidden=hs[-1])
+    return Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], context_features(hs, LAYER_IDS),
+                 hs[-1], anchors, anchor_valid)
 
 
 def loss_and_metrics(drafter, target, batch, anchors, anchor_valid, cfg=LossConfig()):
-    """dflash2_loss and dflash2_metrics of a batch: (L, its stats as floats with the §6 metrics)."""
-    inputs = dict(loss_inputs(batch), anchors=anchors, anchor_valid=anchor_valid)
-    loss, stats = dflash2_loss(drafter, target, **inputs, cfg=cfg)
-    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, target, **inputs, cfg=cfg)
+    """dflash2_loss and dflash2_metrics (of the loss's own slots) of a batch: (L, its stats as floats with the
+    §6 metrics)."""
+    view = target_view(drafter.config, target)
+    loss, stats, slots = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
+    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
 
 
 def with_last_hidden(batch, G):
@@ -141,13 +145,15 @@ def draft_packed(drafter, target, batch, **kw):
 
 def loss_and_logits(drafter, target, batch, **kw):
     """dflash2_loss on the test anchors, plus the drafter output it computed (b, N, B, H)
-    and the unary logits of slots 1..B-1 (b, N, B-1, V), read off a forward hook."""
+    and the unary logits of slots 1..B-1 (b, N, B-1, V), read off a forward hook: the only
+    drafter pass, as the metrics read the loss's own slots."""
     seen = []
     hook = drafter.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
         loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     finally:
         hook.remove()
+    assert len(seen) == 1, f"the loss and its metrics ran the drafter {len(seen)} times, want once"
     h = seen[0].detach().view(*ANCHORS.shape, B, H)
     return loss, stats, h, target.lm_head(h[:, :, 1:])
 
@@ -237,19 +243,19 @@ def ref_layer(layer, h, ctx, blk_pos, ctx_pos, allowed, block_size):
                                                         * (u1 @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T)
 
 
-def ref_codebook_row(sel, side, v, embedding=None):
+def ref_codebook_row(sel, side, v, W_in=None):
     """Row v of A (side "predecessor") or Bc ("successor"): the table's row, or with factored
-    codebooks Σ_h W[r, h] · E[v, h], summed in a loop."""
+    codebooks Σ_h W[r, h] · W_in[v, h], summed in a loop."""
     if not sel.factored:
         return getattr(sel, f"{side}_codebook")[v].tolist()
-    W, E = getattr(sel, f"{side}_projection").weight.tolist(), embedding.weight[v].tolist()
+    W, E = getattr(sel, f"{side}_projection").weight.tolist(), W_in[v].tolist()
     return [sum(W[r][i] * E[i] for i in range(len(E))) for r in range(len(W))]
 
 
-def ref_edge_score(sel, h, unary, p, c, embedding=None):
+def ref_edge_score(sel, h, unary, p, c, W_in=None):
     """S(p, c) = U[c] + Σ_r A[p, r] · P[r] · Bc[c, r] with P = W h, for one slot."""
     P = (sel.hidden_projection.weight @ h).tolist()
-    A, Bc = ref_codebook_row(sel, "predecessor", p, embedding), ref_codebook_row(sel, "successor", c, embedding)
+    A, Bc = ref_codebook_row(sel, "predecessor", p, W_in), ref_codebook_row(sel, "successor", c, W_in)
     return unary[c].item() + sum(A[r] * P[r] * Bc[r] for r in range(len(P)))
 
 
@@ -272,14 +278,14 @@ def ref_filtered_law(logits, temperature, top_p, top_k):
     return {v: math.exp(logits[v].item() / temperature) / z / mass for v in kept}
 
 
-def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True, embedding=None):
+def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True, W_in=None):
     """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
     with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
     keeps the anchor as every slot's predecessor (the wrong walk, a control)."""
     prev, path = anchor, []
     for j in range(unary.shape[0]):
         cand = ref_topk(unary[j], sel.top_k)
-        scores = [ref_edge_score(sel, h[j], unary[j], prev, c, embedding) for c in cand]
+        scores = [ref_edge_score(sel, h[j], unary[j], prev, c, W_in) for c in cand]
         path.append(cand[scores.index(max(scores))])
         prev = path[-1] if feed_forward else anchor
     return path
@@ -347,11 +353,11 @@ def test_config_accepts_disabled_parts_with_unused_bad_values():
     assert not c.is_dflash2, "conv and selector off should be plain DFlash (is_dflash2 False)"
 
 
-def test_from_target_refuses_no_mask_token_unknown_fields_and_unknown_rope():
-    with pytest.raises(ValueError, match=r"needs mask_token_id"):
-        DFlash2Config.from_target(target_config())
+def test_drafter_config_refuses_no_mask_token_unknown_fields_and_unknown_rope():
+    with pytest.raises(ValueError, match=r"drafter_config needs mask_token_id"):
+        drafter_config(target_config())
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
-        DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID, blocksize=8)
+        drafter_config(target_config(), mask_token_id=MASK_ID, blocksize=8)
     with pytest.raises(ValueError, match=r"rope_type 'mrope' is not supported"):
         make_config(rope_scaling={"rope_type": "mrope", "factor": 2.0})
     with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['low_freq_factor'\]"):
@@ -359,8 +365,8 @@ def test_from_target_refuses_no_mask_token_unknown_fields_and_unknown_rope():
                                   "original_max_position_embeddings": 64})
 
 
-def test_from_target_copies_the_target_shape():
-    c = DFlash2Config.from_target(target_config(), mask_token_id=MASK_ID)
+def test_drafter_config_copies_the_target_shape():
+    c = drafter_config(target_config(), mask_token_id=MASK_ID)
     got = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
            c.num_target_layers, c.rope_theta)
     assert got == (H, 64, 4, 2, 8, V, 4, 1e4), f"drafter shape {got} differs from the target's"
@@ -739,7 +745,7 @@ def test_training_layout_equals_inference_path(target, batch):
 def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch, codebooks):
     v1 = make_drafter(seed=1, conv_kernel_size=0, selector_top_k=0)
     v2 = make_drafter(seed=2, conv_kernel_size=3, selector_codebooks=codebooks)
-    embed = target.model.embed_tokens
+    W_in = target.model.embed_tokens.weight
     missing, unexpected = v2.load_state_dict(v1.state_dict(), strict=False)
     assert not unexpected and all("_conv." in k or k.startswith("candidate_selector.") for k in missing), \
         f"v1 -> v2 load: missing {missing}, unexpected {unexpected}"
@@ -750,10 +756,10 @@ def test_dflash2_with_fresh_conv_and_selector_drafts_as_dflash(target, batch, co
     assert torch.equal(u1, u2), f"unary logits differ by {max_diff(u1, u2):.3g}"
     anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
     p1 = v1.propose(h1.view(M, B, H)[:, 1:], u1, anchor_ids)[0]
-    p2, cand, _ = v2.propose(h2.view(M, B, H)[:, 1:], u2, anchor_ids, embedding=embed)
+    p2, cand, _ = v2.propose(h2.view(M, B, H)[:, 1:], u2, anchor_ids, W_in=W_in)
     assert torch.equal(p1, p2), f"greedy proposals differ in {(p1 != p2).sum().item()} of {p1.numel()} slots"
     prev = torch.cat([anchor_ids[:, None], p2[:, :-1]], 1)
-    scores = v2.candidate_selector.edge_scores(h2.view(M, B, H)[:, 1:], u2, prev, cand, embed)
+    scores = v2.candidate_selector.edge_scores(h2.view(M, B, H)[:, 1:], u2, prev, cand, W_in)
     unary = u2.float().gather(-1, cand)
     assert torch.equal(scores, unary), \
         f"fresh selector scores differ from the unary logits by {max_diff(scores, unary):.3g}"
@@ -789,23 +795,24 @@ def test_edge_scores_equal_loop():
 
 def test_factored_selector_scores_and_walks_equal_loops(target):
     """Factored codebooks: A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the target's input
-    embedding, against the loop of ref_codebook_row; the greedy walk feeds its choices
-    forward through them; without the embedding the selector refuses in one sentence."""
-    sel, embed = make_drafter(randomize=True, selector_codebooks="factored").candidate_selector, target.model.embed_tokens
+    embedding rows W_in, against the loop of ref_codebook_row; the greedy walk feeds its choices
+    forward through them; without W_in the selector refuses in one sentence."""
+    sel = make_drafter(randomize=True, selector_codebooks="factored").candidate_selector
+    W_in = target.model.embed_tokens.weight
     g = torch.Generator().manual_seed(1)
     h, unary = (torch.randn(4, B - 1, n, generator=g, dtype=torch.float64) for n in (H, V))
     prev, cand = torch.randint(0, V, (4, B - 1), generator=g), torch.randint(0, V, (4, B - 1, 5), generator=g)
     with torch.no_grad():
-        got, (path, _, _) = sel.edge_scores(h, unary, prev, cand, embed), sel.walk(h, unary, prev[:, 0], embedding=embed)
+        got, (path, _, _) = sel.edge_scores(h, unary, prev, cand, W_in), sel.walk(h, unary, prev[:, 0], W_in=W_in)
     pairwise = []
     for m in range(4):
         for j in range(B - 1):
             for k in range(5):
-                want = ref_edge_score(sel, h[m, j], unary[m, j], prev[m, j].item(), cand[m, j, k].item(), embed)
+                want = ref_edge_score(sel, h[m, j], unary[m, j], prev[m, j].item(), cand[m, j, k].item(), W_in)
                 assert abs(got[m, j, k].item() - want) < 1e-5 * (1 + abs(want)), \
                     f"S at ({m}, {j}, {k}) is {got[m, j, k].item()}, loop gives {want}"
                 pairwise.append(abs(want - unary[m, j, cand[m, j, k]].item()))
-        walk = ref_greedy_walk(sel, h[m], unary[m], prev[m, 0].item(), embedding=embed)
+        walk = ref_greedy_walk(sel, h[m], unary[m], prev[m, 0].item(), W_in=W_in)
         assert path[m].tolist() == walk, f"row {m}: factored walk {path[m].tolist()} != loop {walk}"
     assert sorted(pairwise)[len(pairwise) // 2] > 0.1, "the pairwise term is too small to test anything"
     with pytest.raises(ValueError, match="factored codebooks needs the target's input embedding"):
@@ -932,18 +939,127 @@ def test_float64_unary_loss_equals_a_loop_to_float64_rounding(target, batch):
         f"(off by {abs(loss.item() - num / den):.3g})"
 
 
+def logits_view():
+    """A view whose logits are its input: slot_sums' h and g are then the drafter's and the target's logits
+    themselves, U = h and z = g (without a selector nothing else of the view is read)."""
+    return TargetView(None, None, lambda x: x)
+
+
+def one_slot(view, selector, cfg, h, g, prev, w, i):
+    """slot_sums of slot i alone, with its weight: its own weighted terms."""
+    return slot_sums(view, selector, cfg, h[i:i + 1], g[i:i + 1], None if prev is None else prev[i:i + 1], w[i:i + 1])
+
+
+def ref_log_softmax(x):
+    """log softmax of one row in python floats: x_v − max − log Σ_u exp(x_u − max)."""
+    x = x.tolist()
+    m = max(x)
+    lse = m + math.log(sum(math.exp(v - m) for v in x))
+    return [v - lse for v in x]
+
+
+def ref_unary_term(u, z, loss_type):
+    """ℓ of one slot, a loop over the vocabulary: kl Σ_v p_v·(log p_v − log q_v) over the p_v > 0, ce −log q_y;
+    p = softmax(z), q = softmax(u), y = argmax z (the first on ties, as torch's)."""
+    logp, logq = ref_log_softmax(z), ref_log_softmax(u)
+    if loss_type == "ce":
+        return -logq[max(range(len(logp)), key=lambda v: logp[v])]
+    return sum(math.exp(a) * (a - b) for a, b in zip(logp, logq) if a > -math.inf)
+
+
 def test_kl_with_minus_infinite_target_logits_is_finite():
     """Masked target logits (-inf) give p = 0; those terms are 0, not 0·(-inf) = NaN.
     Reference: the loop over the vocabulary that skips p = 0."""
     g = torch.Generator().manual_seed(0)
-    unary, ref = (torch.randn(2, 3, V, generator=g, dtype=torch.float64) for _ in range(2))
+    unary, ref = (torch.randn(6, V, generator=g, dtype=torch.float64) for _ in range(2))
     ref[..., ::3] = float("-inf")
-    term = slot_losses(None, unary, ref, None, loss_type="kl", fused=False)[0]
-    for i, j in ((0, 0), (1, 2)):
-        p, logq = F.softmax(ref[i, j], -1), F.log_softmax(unary[i, j], -1)
-        want = sum(p[v].item() * (math.log(p[v].item()) - logq[v].item()) for v in range(V) if p[v] > 0)
-        assert math.isfinite(term[i, j].item()) and abs(term[i, j].item() - want) < 1e-10 * (1 + want), \
-            f"slot ({i}, {j}): KL term {term[i, j].item()} != loop {want}"
+    for i in range(6):
+        term = one_slot(logits_view(), None, LossConfig(), unary, ref, None, torch.ones(6, dtype=torch.float64),
+                        i)["unary"].item()
+        want = ref_unary_term(unary[i], ref[i], "kl")
+        assert math.isfinite(term) and abs(term - want) < 1e-10 * (1 + want), f"slot {i}: KL term {term} != loop {want}"
+
+
+@pytest.mark.parametrize("loss_type", ["kl", "ce"])
+def test_slot_sums_unary_term_and_its_gradient_equal_loops_over_the_vocabulary(loss_type):
+    """slot_sums' unary term, each slot alone and all slots at once (Σ w·ℓ), against ref_unary_term's
+    loop over V; its gradient in U against w·(softmax(U) − π) (π = softmax(z) for kl, one-hot(argmax z)
+    for ce), written out per slot. In float64 to 1e-12; with no selector it returns the unary sum only."""
+    g, n, view, cfg = torch.Generator().manual_seed(1), 40, logits_view(), LossConfig(loss_type=loss_type)
+    U = (4 * torch.randn(n, V, generator=g, dtype=torch.float64)).requires_grad_()
+    z, w = 4 * torch.randn(n, V, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
+    terms = [ref_unary_term(U[i].detach(), z[i], loss_type) for i in range(n)]
+    for i in range(n):
+        got, want = one_slot(view, None, cfg, U, z, None, w, i), w[i].item() * terms[i]
+        assert set(got) == {"unary"}, f"slot_sums without a selector returned {sorted(got)}, want only 'unary'"
+        assert abs(got["unary"].item() - want) < 1e-12 * (1 + want), \
+            f"{loss_type} slot {i}: {got['unary'].item()} != loop {want}"
+    total, want = slot_sums(view, None, cfg, U, z, None, w)["unary"], sum(w[i].item() * terms[i] for i in range(n))
+    assert abs(total.item() - want) < 1e-12 * (1 + want), \
+        f"{loss_type}: Σ w·ℓ over {n} slots {total.item()} != loop {want}"
+    grad, = torch.autograd.grad(total, U)
+    for i in range(n):
+        qs, ps = ([math.exp(a) for a in ref_log_softmax(x)] for x in (U[i].detach(), z[i]))
+        pi = ps if loss_type == "kl" else [float(v == z[i].argmax().item()) for v in range(V)]
+        want_grad = torch.tensor([w[i].item() * (q - p) for p, q in zip(pi, qs)], dtype=torch.float64)
+        assert max_diff(grad[i], want_grad) < 1e-12, \
+            f"{loss_type} slot {i}: gradient off by {max_diff(grad[i], want_grad):.3g} from w·(softmax(U) - π)"
+
+
+@pytest.mark.parametrize("loss_type", ["kl", "ce"])
+def test_slot_sums_unary_term_holds_where_fp32_softmaxes_underflow(loss_type):
+    """One logit per row 300 above the rest, at columns that differ between U and z: in fp32 both softmaxes
+    are one-hot (exp(-300) underflows to 0), so a term read through softmax(U) would be log 0 = -inf; slot_sums'
+    fp32 term must still be the float64 loop's (about 300 for kl and ce), to fp32 rounding of those 300s."""
+    g, n, view = torch.Generator().manual_seed(3), 40, logits_view()
+    U, z = torch.randn(n, V, generator=g), torch.randn(n, V, generator=g)
+    rows = torch.arange(n)
+    U[rows, torch.randint(0, V, (n,), generator=g)] += 300
+    z[rows, torch.randint(0, V, (n,), generator=g)] += 300
+    w = torch.ones(n)
+    assert (F.softmax(U, -1) == 0).any(-1).all() and (F.softmax(z, -1) == 0).any(-1).all(), \
+        "fp32 softmaxes do not underflow: the test has no teeth"
+    for i in range(n):
+        term, want = one_slot(view, None, LossConfig(loss_type=loss_type), U, z, None, w, i)["unary"], \
+            ref_unary_term(U[i], z[i], loss_type)
+        assert term.dtype == torch.float32 and abs(term.item() - want) < 1e-5 * (1 + abs(want)), \
+            f"{loss_type} row {i}: the fp32 term {term.item()} is {abs(term.item() - want):.3g} off the float64 loop " \
+            f"{want}"
+
+
+@pytest.mark.parametrize("labels", ["argmax", "soft", "served"])
+def test_slot_sums_selector_term_equals_a_loop(target, labels):
+    """slot_sums' selector sums, each slot alone and all at once, against loops: C = the top-K of U,
+    E(prev, C) from ref_edge_score, π one-hot on argmax z (0 when outside C), the target's softmax on C
+    ("soft"), or its law at SERVED (ref_filtered_law); Σ w·(−Σ_C π·log softmax(E)) and Σ w·Σ_C π."""
+    drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
+    sel, view, cfg = drafter.candidate_selector, target_view(drafter.config, target), LossConfig(
+        loss_type="ce", **dict(argmax={}, soft=dict(selector_labels="soft"),
+                               served=dict(selector_labels="soft", soft_labels_at=SERVED))[labels])
+    g, n = torch.Generator().manual_seed(4), 12
+    h, g_t = (10 * torch.randn(n, H, generator=g, dtype=torch.float64) for _ in range(2))  # labels in C 4 times in 12
+    prev, w = torch.randint(0, V, (n,), generator=g), torch.rand(n, generator=g, dtype=torch.float64)
+    U, z = target.lm_head(h), target.lm_head(g_t)
+    want, inside = {"selector": 0.0, "selector_weight": 0.0}, 0
+    for i in range(n):
+        cand = ref_topk(U[i], WIDE_K)
+        log_sel = F.log_softmax(torch.tensor([ref_edge_score(sel, h[i], U[i], prev[i].item(), c) for c in cand]), 0)
+        law = {z[i].argmax().item(): 1.0} if labels == "argmax" else ref_filtered_law(
+            z[i], *(SERVED if labels == "served" else (1.0, 1.0, 0)))
+        pi = [law.get(c, 0.0) for c in cand]
+        inside += z[i].argmax().item() in cand
+        slot = {"selector": w[i].item() * -sum(p * log_sel[k].item() for k, p in enumerate(pi)),
+                "selector_weight": w[i].item() * sum(pi)}
+        got = one_slot(view, sel, cfg, h, g_t, prev, w, i)
+        for key, value in slot.items():
+            assert abs(got[key].item() - value) < 1e-5 * (1 + abs(value)), \
+                f"{labels} labels, slot {i}: {key} {got[key].item()} != loop {value}"
+            want[key] += value
+    got = slot_sums(view, sel, cfg, h, g_t, prev, w)
+    for key, value in want.items():
+        assert abs(got[key].item() - value) < 1e-5 * (1 + abs(value)), \
+            f"{labels} labels, {n} slots: {key} {got[key].item()} != loop {value}"
+    assert 0 < inside < n, f"{inside} of {n} labels among the candidates: need slots both in and out of C"
 
 
 def echo_forward(G, shift=0, noise=None):
@@ -1122,11 +1238,11 @@ def float64_scores(monkeypatch, sel):
     """sel's scores without their cast to fp32 (kept on purpose, §8), in the loss (pairwise_scores)
     and the metrics (edge_scores): fp32 scores would hide a chunking error of 1e-10 behind rounding
     of 1e-7. monkeypatch.undo() restores the real ones."""
-    def pairwise(h, prev, cand, embedding=None):  # free codebooks: the embedding is not read
+    def pairwise(h, prev, cand, W_in=None):  # free codebooks: W_in is not read
         return torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
                             sel.successor_codebook[cand])
     monkeypatch.setattr(sel, "pairwise_scores", pairwise)
-    monkeypatch.setattr(sel, "edge_scores", lambda h, unary, prev, cand, embedding=None:
+    monkeypatch.setattr(sel, "edge_scores", lambda h, unary, prev, cand, W_in=None:
                         unary.gather(-1, cand) + pairwise(h, prev, cand))
 
 
@@ -1149,77 +1265,38 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
                      "fp32 edge scores, chunk_size 5", 1e-6)
 
 
-def test_fused_unary_term_equals_its_formula(target, batch, monkeypatch):
-    """LossConfig.fused (FusedUnaryLoss: the KL / CE and their gradient softmax(z) - π written out)
-    against autograd through slot_losses' formula: loss, stats and every gradient, in float64
-    to 1e-10, with and without the selector, chunked and not, argmax and soft labels, soft
-    labels at a sampling setting; then FusedUnaryLoss's value and gradient against a loop over V, on
-    more rows than one of its 64-row dot chunks."""
-    for selector_top_k in (0, WIDE_K):
-        drafter = make_drafter(randomize=True, selector_top_k=selector_top_k)
-        if selector_top_k:
-            float64_scores(monkeypatch, drafter.candidate_selector)
-        for kw in (dict(loss_type="kl"), dict(loss_type="ce"), dict(loss_type="kl", selector_labels="soft"),
-                   dict(loss_type="ce", selector_labels="soft", soft_labels_at=SERVED)):
-            if not selector_top_k and "selector_labels" in kw:
-                continue
-            want = loss_and_grads(drafter, target, batch, fused=False, **kw)
-            for chunk in (None, 5):
-                assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=chunk, **kw), want,
-                                 f"fused, K = {selector_top_k}, {kw}, chunk_size {chunk}", 1e-10)
-    g, n = torch.Generator().manual_seed(1), 130  # rows past the fused dots' 64-row chunks, the last one partial
-    z = (4 * torch.randn(n, V, generator=g, dtype=torch.float64)).requires_grad_()
-    r, weight = 4 * torch.randn(n, V, generator=g, dtype=torch.float64), torch.rand(n, generator=g, dtype=torch.float64)
-    for loss_type in ("kl", "ce"):
-        term = slot_losses(None, z, r, None, loss_type=loss_type, fused=True)[0]
-        grad, = torch.autograd.grad((weight * term).sum(), z)
-        for i in range(n):
-            ps = [math.exp(x) for x in F.log_softmax(r[i], -1).tolist()]
-            qs = [math.exp(x) for x in F.log_softmax(z[i].detach(), -1).tolist()]
-            y = max(range(V), key=lambda v: r[i, v].item())
-            pi = ps if loss_type == "kl" else [float(v == y) for v in range(V)]
-            want = sum(p * (math.log(p) - math.log(q)) for p, q in zip(pi, qs) if p > 0)
-            assert abs(term[i].item() - want) < 1e-12 * (1 + want), f"{loss_type} row {i}: {term[i].item()} != {want}"
-            want_grad = torch.tensor([weight[i].item() * (q - p) for p, q in zip(pi, qs)], dtype=torch.float64)
-            assert max_diff(grad[i], want_grad) < 1e-12, \
-                f"{loss_type} row {i}: gradient off by {max_diff(grad[i], want_grad):.3g} from w·(softmax(z) - π)"
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # torch's own, inductor imports it
+def test_the_compiled_loss_equals_the_eager_formula(target):
+    """train.py runs slot_sums under torch.compile(dynamic=True): inductor's kernels (its fused softmaxes,
+    its own reduction order) must give the eager formula's sums and gradient in h to fp32 rounding: the unary
+    KL and the selector's terms, at two slot counts, in float32. One configuration: each compile costs seconds
+    on a 2-core CPU, and the eager formula's other settings are held to loops above."""
+    if not (shutil.which("g++") or shutil.which("c++")):
+        pytest.skip("no C++ compiler (g++ or c++) on PATH: torch.compile's CPU backend cannot build its kernels")
+    target32, drafter = make_target(dtype=torch.float32), make_drafter(randomize=True).float()
+    view, compiled = target_view(drafter.config, target32), torch.compile(slot_sums, dynamic=True)
+    g = torch.Generator().manual_seed(5)
 
+    def sums_and_grad(fn, sel, cfg, h, *rest):
+        h = h.clone().requires_grad_()
+        sums = fn(view, sel, cfg, h, *rest)
+        grad, = torch.autograd.grad(sum(v for v in sums.values() if v.requires_grad), h)
+        return {k: v.item() for k, v in sums.items()}, grad
 
-def test_the_fused_term_reads_bf16_logits_as_their_fp32_values():
-    """FusedUnaryLoss on bf16 logits (what a bf16 lm_head gives under autocast, no fp32 copy
-    made) equals it on their fp32 upcasts exactly: term, p, label, candidates, their logits, and
-    the gradient (the fp32 one rounded to bf16), the selector's candidate gradient included."""
-    g = torch.Generator().manual_seed(2)
-    z16, r16 = (4 * torch.randn(70, V, generator=g)).bfloat16(), (4 * torch.randn(70, V, generator=g)).bfloat16()
-    w, w_cand = torch.rand(70, generator=g), torch.rand(70, WIDE_K, generator=g)
-    for hard in (False, True):
-        got, want = [], []
-        for z, r, out in ((z16, r16, got), (z16.float(), r16.float(), want)):
-            z = z.clone().requires_grad_()
-            term, p, label, cand, z_cand = FusedUnaryLoss.apply(z, r, hard, WIDE_K)
-            ((w * term).sum() + (w_cand * z_cand).sum()).backward()
-            out += [term, p, label, cand, z_cand, z.grad.bfloat16()]
-        for name, a, b in zip(("term", "p", "label", "cand", "z_cand", "grad"), got, want):
-            assert (a is None and b is None) or (a.dtype == b.dtype and torch.equal(a, b)), \
-                f"hard={hard}: {name} from bf16 logits differs from its fp32 upcast's"
-
-
-@pytest.mark.parametrize("top_k", [0, WIDE_K])
-def test_the_fused_term_is_exact_where_fp32_softmaxes_underflow(top_k):
-    """One logit per row 300 above the rest, at columns that differ between z and r: away from its maximum,
-    softmax(z) underflows to 0 in fp32, so lse(z) must be read at the maximum (C's first with a selector) for
-    the term to equal the float64 formula; read anywhere else it is infinite."""
-    g = torch.Generator().manual_seed(3)
-    z, r = torch.randn(40, V, generator=g), torch.randn(40, V, generator=g)
-    rows = torch.arange(40)
-    z[rows, torch.randint(0, V, (40,), generator=g)] += 300
-    r[rows, torch.randint(0, V, (40,), generator=g)] += 300
-    log_q, log_p = F.log_softmax(z.double(), -1), F.log_softmax(r.double(), -1)
-    for hard, want in ((False, (log_p.exp() * (log_p - log_q)).sum(-1)),
-                       (True, -log_q.gather(-1, r.argmax(-1, keepdim=True)).squeeze(-1))):
-        term = FusedUnaryLoss.apply(z, r, hard, top_k)[0]
-        assert max_diff(term, want) < 1e-4 * want.abs().max(), \
-            f"hard={hard}, top_k={top_k}: the fused term is {max_diff(term, want):.3g} off the float64 formula"
+    for cfg, sel in ((LossConfig(loss_type="kl"), drafter.candidate_selector),):
+        for n in (7, 12):
+            h = 10 * torch.randn(n, H, generator=g)
+            g_t = h + 2 * torch.randn(n, H, generator=g)  # near h: the label among the top-5 in some slots
+            inputs = (sel, cfg, h, g_t, torch.randint(0, V, (n,), generator=g), torch.rand(n, generator=g))
+            (got, got_grad), (want, want_grad) = sums_and_grad(compiled, *inputs), sums_and_grad(slot_sums, *inputs)
+            where = f"{cfg.loss_type}, selector {'off' if sel is None else 'on'}, {n} slots"
+            assert set(got) == set(want), f"{where}: compiled sums {sorted(got)}, eager {sorted(want)}"
+            for key, value in want.items():
+                assert abs(got[key] - value) <= 1e-5 * abs(value), \
+                    f"{where}: compiled {key} {got[key]} != eager {value} (off by {abs(got[key] - value):.3g})"
+            assert max_diff(got_grad, want_grad) <= 1e-5 * want_grad.abs().max(), \
+                f"{where}: the compiled gradient in h differs by {max_diff(got_grad, want_grad):.3g}"
+            assert sel is None or want["selector"] > 0, f"{where}: no label among the candidates, nothing compared"
 
 
 def test_the_loss_skips_the_metrics(target, batch, monkeypatch):
@@ -1230,8 +1307,8 @@ def test_the_loss_skips_the_metrics(target, batch, monkeypatch):
     def no_walk(*args, **kw):
         raise AssertionError("dflash2_loss walked the selector")
     monkeypatch.setattr(drafter.candidate_selector, "walk", no_walk)
-    _, stats = dflash2_loss(drafter, target, **loss_inputs(batch), anchors=ANCHORS, anchor_valid=VALID,
-                            cfg=LossConfig(chunk_size=3))
+    view = target_view(drafter.config, target)
+    _, stats, _ = dflash2_loss(drafter, view, loss_batch(batch), LossConfig(chunk_size=3))
     assert set(stats) == {"loss", "unary_loss", "selector_loss"}, f"stats of a training step: {sorted(stats)}"
     for key, value in stats.items():
         assert torch.is_tensor(value) and not value.requires_grad and abs(value.item() - want[key]) < 1e-10, \
@@ -1249,7 +1326,7 @@ def test_grad_checkpoint_gives_the_same_gradients(target, batch):
     got = loss_and_grads(drafter, target, batch)
     assert_same_loss(got, want, "grad_checkpoint", 1e-12)
     calls.clear()
-    dflash2_loss(drafter, target, **loss_inputs(batch), anchors=ANCHORS, anchor_valid=VALID)[0].backward()
+    dflash2_loss(drafter, target_view(drafter.config, target), loss_batch(batch))[0].backward()
     assert len(calls) == 2, f"layer 0 ran {len(calls)} times with grad_checkpoint, want 2 (forward + recompute)"
 
 

@@ -16,6 +16,7 @@ run repeats the uninterrupted one exactly.
 import argparse
 import math
 import os
+import shutil
 import time
 from functools import lru_cache
 
@@ -24,14 +25,16 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from dflash2 import (DFlash2Config, DFlash2Drafter, LossConfig, check_sampling, check_target, check_target_shape,
-                     dflash2_metrics, loss_from_sums, loss_sums, sample_anchors, spec_generate)
+from dflash2 import (Batch, DFlash2Drafter, LossConfig, check_sampling, check_target_shape,
+                     loss_from_sums, loss_sums, sample_anchors, slot_sums, spec_generate, target_view)
 from memory import GiB, check_fits, run_plan
+from metrics import dflash2_metrics
 from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
                         save_checkpoint, save_export, serving_commands, weights_fingerprint, with_parts)
 from data import collate, load_rows, parse_template_kwargs
-from target import (TargetFeatures, check_target_view, choose_mask_token, decoding_dtype, is_gguf, load_config,
-                    target_features, load_target, load_tokenizer, training_dtype)
+from target import (TargetFeatures, check_target_view, choose_mask_token, decoding_dtype, decoding_view,
+                    drafter_config, is_gguf, load_config, load_target, load_tokenizer, rope_tables, target_features,
+                    training_dtype)
 from tiny_world import tiny_world
 
 # -----------------------------------------------------------------------------
@@ -143,6 +146,9 @@ def parse_args(argv=None):
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
+    g.add_argument("--compile", default="auto", choices=["auto", "off"], help="auto: the loss under torch.compile "
+                   "where the device has a compiler for it (compiled once a run, seconds to a minute); off: the "
+                   "eager formula, the same values")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
     g.add_argument("--lr-floor", type=fraction, default=0.0,
@@ -230,14 +236,27 @@ def mean_over_ranks(*weights):
 
 
 def step_inputs(target, batch, layer_ids, max_anchors, seeds, features=None, rows=None):
-    """The loss's plain-tensor inputs of a batch (dflash2.loss_sums): one target pass (no grad; its
-    logits only where the loss needs them, never (b, S, V) at once), or the cached features of the
-    batch's training rows `rows`, and each row's anchors from its seed.
-    -> (ids, attention_mask, loss_mask, context, last_hidden, anchors, anchor_valid)."""
+    """The loss's dflash2.Batch of a batch: one target pass (no grad; its logits only where the loss
+    needs them, never (b, S, V) at once), or the cached features of the batch's training rows `rows`,
+    and each row's anchors from its seed."""
     ids, attn, loss_mask = batch
-    context, last = (target_features(target, ids, attn, layer_ids) if features is None else
-                     features.features(target, ids, attn, rows))
-    return (ids, attn, loss_mask, context, last, *row_anchors(loss_mask, max_anchors, seeds))
+    f, g = (target_features(target, ids, attn, layer_ids) if features is None else
+            features.features(target, ids, attn, rows))
+    return Batch(ids, attn, loss_mask, f, g, *row_anchors(loss_mask, max_anchors, seeds))
+
+
+def compiled_loss(device, log, choice="auto"):
+    """--compile -> dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count)
+    where this device has a compiler for it (a C++ compiler for a CPU, Triton for a GPU), else the eager
+    formula, with one line saying why: the same values either way."""
+    from torch.utils._triton import has_triton
+    missing = {"cpu": None if any(map(shutil.which, ("g++", "c++", "clang++"))) else "no C++ compiler on PATH",
+               "cuda": None if has_triton() else "Triton is not installed"}.get(device.type, f"a {device.type} device")
+    missing = "--compile off" if choice == "off" else missing
+    if missing:
+        log(f"loss: the eager formula ({missing}: torch.compile cannot build the loss here)")
+        return slot_sums
+    return torch.compile(slot_sums, dynamic=True)
 
 
 def below_float32(target):
@@ -246,21 +265,21 @@ def below_float32(target):
                                                                                              torch.float16))
 
 
-def loss_step(drafter, target, inputs, cfg, data_parallel=False):
-    """The DFlash2 loss of step_inputs. data_parallel: the loss weights are the global batch's
-    (mean_over_ranks). -> (loss, {loss, unary_loss, selector_loss} detached tensors)."""
+def loss_step(drafter, view, target, batch, cfg, sums_fn=slot_sums, data_parallel=False):
+    """The DFlash2 loss of a step_inputs Batch. data_parallel: the loss weights are the global batch's
+    (mean_over_ranks). -> (loss, {loss, unary_loss, selector_loss} detached tensors, the Slots)."""
     with below_float32(target):
-        sums = loss_sums(drafter, target, *inputs, cfg)
+        sums, slots = loss_sums(drafter, view, batch, cfg, sums_fn)
     weights = None
     if data_parallel:
         weights = mean_over_ranks(sums["unary_weight"], sums.get("selector_weight", sums["unary_weight"]))
-    return loss_from_sums(sums, cfg.alpha, weights)
+    return (*loss_from_sums(sums, cfg.alpha, weights), slots)
 
 
-def step_stats(drafter, target, inputs, cfg, terms):
-    """A logged batch's stats, floats: the loss terms and the §6 metrics (host syncs)."""
+def step_stats(drafter, view, target, slots, cfg, terms):
+    """A logged batch's stats, floats: the loss terms and the §6 metrics of the loss's own slots (host syncs)."""
     with below_float32(target):
-        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, target, *inputs, cfg)
+        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, view, slots, cfg)
 
 
 def feature_cache(args, target, c, train_rows, total_rows_drawn, log):
@@ -293,9 +312,12 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
     batches = [step_inputs(target, collate(val[i:i + args.batch_size], tokenizer.pad_token_id, device),
                            drafter.config.target_layer_ids, args.max_anchors, seeds[i:i + args.batch_size])
                for i in range(0, len(val), args.batch_size)]
-    cfg = loss_config(args)
-    stats = mean_stats([step_stats(drafter, target, inputs, cfg, loss_step(drafter, target, inputs, cfg)[1])
-                        for inputs in batches])
+    cfg, view = loss_config(args), target_view(drafter.config, target)
+    stats = []
+    for batch in batches:
+        _, terms, slots = loss_step(drafter, view, target, batch, cfg)
+        stats.append(step_stats(drafter, view, target, slots, cfg, terms))
+    stats = mean_stats(stats)
     trained_in = target.dtype
     target.to(decoding_dtype(device, trained_in))  # and back below: bf16 -> float32 -> bf16 is exact
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
@@ -305,7 +327,8 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
             ids, mask = val[i]["input_ids"], val[i]["loss_mask"]
             start = int(mask.nonzero()[0]) or len(ids) // 2  # prompt = all before the first answer token
             new, s = spec_generate(drafter, target, ids[None, :start].to(device), args.eval_new_tokens, temperature,
-                                   stop_token_ids=[tokenizer.eos_token_id], generator=gen)
+                                   stop_token_ids=[tokenizer.eos_token_id], generator=gen,
+                                   view=decoding_view(drafter.config, target))
             als.append(s.mean_acceptance_length)
             tps.append(s.tokens_per_second)
             texts.append(tokenizer.decode(new))
@@ -394,8 +417,9 @@ def build_drafter(args, tokenizer, target_config, rows, log):
         raise ValueError(f"--full-attention-layers {outside} outside the draft layers [0, {args.num_layers})")
     window = {} if args.sliding_window is None else dict(sliding_window=args.sliding_window, layer_types=[
         "full_attention" if i in args.full_attention_layers else "sliding_attention" for i in range(args.num_layers)])
-    return DFlash2Drafter(DFlash2Config.from_target(target_config, num_layers=args.num_layers, block_size=args.block_size,
-                                                    mask_token_id=mask_token_id, **layer_ids, **parts, **window))
+    c = drafter_config(target_config, num_layers=args.num_layers, block_size=args.block_size,
+                       mask_token_id=mask_token_id, **layer_ids, **parts, **window)
+    return DFlash2Drafter(c, rope=rope_tables(c))
 
 
 def served_target(target):
@@ -444,7 +468,6 @@ def load_checked_target(target, dtype_flag, c, first_row, device, log):
     log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
         + f": {why}")
     model = load_target(target, dtype_flag, device)
-    check_target(c, model)
     check_target_view(c, model, torch.as_tensor(first_row[:128])[None].to(device))
     return model
 
@@ -555,7 +578,8 @@ def train(args):
     for p in params if world > 1 else ():  # data parallel: every replica starts from rank 0's weights
         dist.broadcast(p.data, 0)
     os.makedirs(args.out_dir, exist_ok=True)
-    c, loss_cfg = drafter.config, loss_config(args)
+    c, loss_cfg, sums_fn = drafter.config, loss_config(args), compiled_loss(device, log, args.compile)
+    view = target_view(c, target)
     features = feature_cache(args, target, c, train_rows, total * global_batch, log)
     export = export_options(args.export_dtype, args.export_format, args.target, target_config,
                             target.get_input_embeddings())
@@ -572,9 +596,9 @@ def train(args):
         for micro in range(args.grad_accum):
             batch, row_ids, seeds = micro_batch(step, micro)
             inputs = step_inputs(target, batch, c.target_layer_ids, args.max_anchors, seeds, features, row_ids)
-            loss, terms = loss_step(drafter, target, inputs, loss_cfg, world > 1)
+            loss, terms, slots = loss_step(drafter, view, target, inputs, loss_cfg, sums_fn, world > 1)
             (loss / args.grad_accum).backward()
-            micro_stats.append(step_stats(drafter, target, inputs, loss_cfg, terms) if logged else terms)
+            micro_stats.append(step_stats(drafter, view, target, slots, loss_cfg, terms) if logged else terms)
             tokens += int(batch[1].sum()) * world
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
         if world > 1:

@@ -34,6 +34,7 @@ import torch
 
 import checkpoint
 import dflash2
+from target import decoding_view
 from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
@@ -110,7 +111,7 @@ def without_selector(drafter):
     without one, loaded with every tensor but the selector's. It proposes from the unary
     logits, and its metrics are a selector-less drafter's."""
     weight = drafter.fc.weight
-    unary = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_top_k=0))
+    unary = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_top_k=0), rope=drafter.rope)
     unary = unary.to(weight.device, weight.dtype)
     unary.load_state_dict({k: v for k, v in drafter.state_dict().items() if not k.startswith("candidate_selector.")})
     return unary.eval()
@@ -140,7 +141,7 @@ def spec_eval(drafter, target, prompts, args, setting, stop_id, progress=None):
             t_log = time.time()
             progress(i - 1, (t_log - t0) / (i - 1) * (len(prompts) - i + 1))
         _, s = dflash2.spec_generate(drafter, target, p, args.eval_tokens, *setting, stop_token_ids=[stop_id],
-                                     generator=gen)
+                                     generator=gen, view=decoding_view(drafter.config, target))
         out["al"].append(s.mean_acceptance_length)
         out["accepted"].append(s.accepted_per_slot)
         out["reached"].append([len(s.acceptance_lengths)] + s.accepted_per_slot[:-1])  # slots < k all accepted
@@ -175,8 +176,10 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
             inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, targs.max_anchors, seeds)
-            n, cfg = int(inputs[-1].sum()), train.loss_config(targs, accept_at)  # the blocks the loss draws
-            stats = train.step_stats(drafter, target, inputs, cfg, train.loss_step(drafter, target, inputs, cfg)[1])
+            n, cfg = int(inputs.anchor_valid.sum()), train.loss_config(targs, accept_at)  # the blocks the loss draws
+            view = dflash2.target_view(drafter.config, target)
+            _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
+            stats = train.step_stats(drafter, view, target, slots, cfg, terms)
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
@@ -193,7 +196,7 @@ def ablation(args, settings):
     defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
-        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16"]
+        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16", "--compile", "off"]
     else:
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, train.TINY_PRETRAIN_STEPS)
         base = ["--steps", str(args.steps)] if args.steps else []

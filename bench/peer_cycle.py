@@ -19,6 +19,7 @@ import torch
 
 import checkpoint
 import dflash2
+from target import decoding_view
 from bench.common import ci_text, ratio_ci, write_results
 
 
@@ -37,7 +38,8 @@ def dflash2_generate(drafter, target, prompt, max_new_tokens, stop_id):
     if drafter is None:
         new, stats = dflash2.target_generate(target, prompt, max_new_tokens, stop_token_ids=[stop_id])
         return new, stats.decode_seconds, stats.target_forwards - 1  # the prefill is not a step
-    new, stats = dflash2.spec_generate(drafter, target, prompt, max_new_tokens, stop_token_ids=[stop_id])
+    new, stats = dflash2.spec_generate(drafter, target, prompt, max_new_tokens, stop_token_ids=[stop_id],
+                                       view=decoding_view(drafter.config, target))
     return new, stats.decode_seconds, len(stats.acceptance_lengths)
 
 

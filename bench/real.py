@@ -53,6 +53,7 @@ import torch
 
 import checkpoint
 import dflash2
+from target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, spec_eval, train_and_decode)
 from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
@@ -262,7 +263,8 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
     times, and this CPU's break-even AL (a cycle over a plain step) at B = 8 and, from the
     measured verify cost, at B = 4."""
     generate = lambda p: (dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=[stop_id]),
-                          dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=[stop_id]))
+                          dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=[stop_id],
+                                                view=decoding_view(drafter.config, target)))
     generate(prompts[0])
     plain, spec = [], []
     for i, p in enumerate(prompts):

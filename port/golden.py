@@ -33,6 +33,8 @@ from safetensors.numpy import load_file, save_file
 
 import checkpoint
 import dflash2
+from metrics import dflash2_metrics
+from target import drafter_config
 
 TIE_MARGIN = 1e-4
 # the tiny world: V 64, H 32, Lt 4 target layers, nf 2 features, Ld 2 draft layers,
@@ -98,7 +100,7 @@ def build_models():
     cannot hide behind zeros."""
     from transformers import Qwen3ForCausalLM
     target = Qwen3ForCausalLM(target_config()).float().eval().requires_grad_(False)
-    drafter = dflash2.DFlash2Drafter(dflash2.DFlash2Config.from_target(target.config, **DRAFT)).float()
+    drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **DRAFT)).float()
     g = torch.Generator().manual_seed(SEED)
     randn = lambda p, std: std * torch.randn(p.shape, generator=g)
     likely, other = successors()
@@ -152,8 +154,8 @@ def train(drafter, target, steps, seed):
     for _ in range(steps):
         rows = torch.randint(0, CORPUS_ROWS, (TRAIN_ROWS,), generator=g)
         anchors, valid = dflash2.sample_anchors(ones[rows], TRAIN_ANCHORS, g)
-        loss, _ = dflash2.dflash2_loss(drafter, target, corpus[rows], ones[rows], ones[rows], context[rows], last[rows],
-                                       anchors, valid)
+        batch = dflash2.Batch(corpus[rows], ones[rows], ones[rows], context[rows], last[rows], anchors, valid)
+        loss = dflash2.dflash2_loss(drafter, dflash2.target_view(drafter.config, target), batch)[0]
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -475,7 +477,7 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
     from transformers import DynamicCache
     c, dev = drafter.config, prompt.device
     B, P, K = c.block_size, prompt.shape[1], c.selector_top_k
-    embed, lm_head = dflash2.check_target(c, target)
+    view = dflash2.target_view(c, target)
     g = torch.Generator().manual_seed(seed)
     calls, cycles, tokens, als = TargetCalls(target, c.target_layer_ids), [], [], []
     cache, draft_cache = DynamicCache(config=target.config), dflash2.DraftCache(c.num_layers)
@@ -492,7 +494,7 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
             a = P + len(tokens) - 1
             anchor = torch.tensor([tokens[-1]], device=dev)
             ctx_pos = torch.arange(draft_cache.length, a, device=dev)
-            h, unary = dflash2.draft_forward(drafter, embed, lm_head, anchor, new_ctx, draft_cache)
+            h, unary = dflash2.draft_forward(drafter, view, anchor, new_ctx, draft_cache)
             cyc = dict(a=a, block_pos=torch.arange(a, a + B), ctx_pos=ctx_pos, draft_cache=draft_cache.length,
                        unary=unary[0], u_walk=u_walk, u_accept=u_accept, u_bonus=u_bonus[0])
             if K:
@@ -508,7 +510,8 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
             margin = min(margin, m)
             n = min(B - 1, max_new_tokens - len(tokens) - 1)
             draft = path[0, :n]
-            logits, features = dflash2.verify_forward(target, cache, anchor, draft, c.target_layer_ids)
+            out = target(torch.cat([anchor, draft])[None], cache=cache, use_cache=True, output_hidden_states=True)
+            logits, features = out.logits[0], dflash2.context_features(out.hidden_states, c.target_layer_ids)
             p = dflash2.sampling_probs(logits.double(), temperature, top_p, top_k)     # (n+1, V)
             q_vocab = dflash2.q_over_vocab(cand[0, :n], q[0, :n], V)
             ratios, n_acc = torch.full((B - 1,), -1.0, dtype=torch.float64), n
@@ -521,7 +524,8 @@ def sampled_trace(drafter, target, prompt, max_new_tokens, temperature, top_p, t
             law = dflash2.residual_distribution(p[n_acc], q_vocab[n_acc]) if n_acc < n else p[n]
             bonus, m = inverse_cdf(law, u_bonus[0])
             margin = min(margin, m)
-            new_ctx = dflash2.rollback(cache, features, n, n_acc)
+            cache.crop(-(n - n_acc))  # speculative_decode_step's rollback
+            new_ctx = features[:, :n_acc + 1]
             tokens += draft[:n_acc].tolist() + [int(bonus)]  # n <= max_new_tokens − len(tokens) − 1: all fit
             als.append(n_acc + 1)
             cyc.update(draft=draft, n_acc=n_acc, bonus=int(bonus), target_cache=cache.get_seq_length(), p=p,
@@ -779,18 +783,23 @@ def put_losses(put, drafter, target, batch, inp):
     """§6 per slot, the loss variants, the metrics, the data-parallel split and the gradients."""
     c = drafter.config
     B, b = c.block_size, batch["input_ids"].shape[0]
-    anchors, lm_head = batch["anchors"], target.get_output_embeddings()
+    anchors = batch["anchors"]
     counted, src = dflash2.block_slots(anchors, batch["anchor_valid"], batch["loss_mask"], B)
     rows = torch.arange(b)[:, None, None]
     prev = batch["input_ids"][rows, src]
     w = torch.exp(-torch.arange(B - 1, dtype=torch.float) / dflash2.default_gamma(B)) * counted
+    view, g = dflash2.target_view(c, target), inp["hidden_states"][-1][rows, src]
+
+    def per_slot(key, selector=drafter.candidate_selector, **kw):  # slot_sums of each slot alone, weight 1
+        cfg = dflash2.LossConfig(**kw)
+        one = lambda i: dflash2.slot_sums(view, selector, cfg, *(x.flatten(0, 2)[i:i + 1] for x in (h, g, prev)),
+                                          torch.ones(1))[key]
+        return torch.stack([one(i) for i in range(counted.numel())]).view(counted.shape)
     with torch.no_grad():
         h = blocks_forward(drafter, target, inp)[0].view(b, -1, B, H)[:, :, 1:]
-        unary, ref = dflash2.target_logits(c, lm_head, h), inp["target_logits"][rows, src]
-        kl, sel, in_c = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl", fused=False)
-        ce = dflash2.slot_losses(h, unary, ref, prev, None, "ce", fused=False)[0]
-        _, sel_soft, mass = dflash2.slot_losses(h, unary, ref, prev, drafter.candidate_selector, "kl",
-                                                selector_labels="soft", fused=False)
+        kl, sel, in_c = per_slot("unary"), per_slot("selector"), per_slot("selector_weight")
+        ce = per_slot("unary", None, loss_type="ce")
+        sel_soft, mass = per_slot("selector", selector_labels="soft"), per_slot("selector_weight", selector_labels="soft")
     z = lambda x: x * counted
     put("loss.slots.counted", counted,
         "(b, N, B−1) slot k of block j counts: valid anchor, t = a_j + k < S, loss_mask[t] = 1")
@@ -805,14 +814,14 @@ def put_losses(put, drafter, target, batch, inp):
     put("loss.slots.candidate_mass", z(mass), "(b, N, B−1) m = Σ_{c∈C} p(c)")
     put("loss.slots.selector_soft", z(sel_soft), "(b, N, B−1) ℓ_sel,soft = −Σ_{c∈C} p(c)·log softmax(E)[c]")
 
-    plain = lambda valid=batch["anchor_valid"], rows=slice(None): (
+    plain = lambda valid=batch["anchor_valid"], rows=slice(None): dflash2.Batch(
         batch["input_ids"][rows], batch["attention_mask"][rows], batch["loss_mask"][rows], inp["ctx_features"][rows],
-        inp["hidden_states"][-1][rows], anchors[rows], valid[rows])  # the loss's plain-tensor inputs
+        inp["hidden_states"][-1][rows], anchors[rows], valid[rows])
 
     def loss(**kw):
         cfg = dflash2.LossConfig(**kw)
-        value, stats = dflash2.dflash2_loss(drafter, target, *plain(), cfg)
-        return value, {k: v.item() for k, v in stats.items()} | dflash2.dflash2_metrics(drafter, target, *plain(), cfg)
+        value, stats, slots = dflash2.dflash2_loss(drafter, view, plain(), cfg)
+        return value, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
 
     cases = {"kl": ({}, "L_unary with ℓ_kl + α·L_sel with argmax labels, α = 1, γ = the default (training's default)"),
              "ce": (dict(loss_type="ce"), "ℓ_ce instead of ℓ_kl"),
@@ -840,14 +849,14 @@ def put_losses(put, drafter, target, batch, inp):
             f"{key} with §4's p and q at the sampling setting (T, top_p, top_k) = {SERVED} (accept_at)")
 
     none_valid = torch.zeros_like(batch["anchor_valid"])
-    value = dflash2.dflash2_loss(drafter, target, *plain(none_valid))[0]
-    stats = dflash2.dflash2_metrics(drafter, target, *plain(none_valid))
+    value, _, slots = dflash2.dflash2_loss(drafter, view, plain(none_valid))
+    stats = dflash2_metrics(drafter, view, slots)
     put("loss.empty.loss", value.detach(), "() L with every anchor invalid (no counted slot): 0 / max(0, 1e-9) = 0")
     for key in ("slot_acc", "al_unary", "accept_unary", "oracle", "al_walk"):
         put(f"loss.empty.{key}", torch.tensor(stats[key], dtype=torch.float32),
             f"{key} with no counted slot: empty counts are floored at 1, so 0 (an AL over no block is 0 too)")
 
-    rank_sums = [dflash2.loss_sums(drafter, target, *plain(rows=slice(r, r + 1))) for r in range(2)]
+    rank_sums = [dflash2.loss_sums(drafter, view, plain(rows=slice(r, r + 1)))[0] for r in range(2)]
     sums = [torch.stack([s["unary_weight"], s["selector_weight"]]) for s in rank_sums]
     mean = torch.stack(sums).mean(0)
     rank_losses = torch.stack([dflash2.loss_from_sums(s, 1.0, tuple(mean))[0].detach() for s in rank_sums])

@@ -263,9 +263,9 @@ def test_factored_codebooks_export_as_the_tables_they_stand_for(tmp_path, target
         unary = target.get_output_embeddings()(h.double()).float()
         cand = unary.topk(4, dim=-1).indices
         prev = torch.randint(0, 32, cand.shape[:-1], generator=torch.Generator().manual_seed(0))
-        factored, exported = sel.edge_scores(h, unary, prev, cand, embed), loaded.candidate_selector.edge_scores(
-            h, unary, prev, cand)
-        walks = drafter.propose(h, unary, prev[:, 0], embedding=embed)[0], loaded.propose(h, unary, prev[:, 0])[0]
+        factored, exported = sel.edge_scores(h, unary, prev, cand, W_in=embed.weight), \
+            loaded.candidate_selector.edge_scores(h, unary, prev, cand)
+        walks = drafter.propose(h, unary, prev[:, 0], W_in=embed.weight)[0], loaded.propose(h, unary, prev[:, 0])[0]
     assert (factored - exported).abs().max() < 1e-5, f"edge scores differ by {(factored - exported).abs().max():.3g}"
     assert (factored - unary.gather(-1, cand)).abs().max() > 1e-2, "the pairwise term is ~0: the check has no teeth"
     assert torch.equal(*walks), f"greedy walks {walks[0].tolist()} (factored) != {walks[1].tolist()} (export)"
@@ -284,7 +284,7 @@ def test_resume_state_keeps_the_factored_weights(tmp_path, target):
     selector = sorted(k for k in state["model"] if k.startswith("candidate_selector."))
     assert selector == [f"candidate_selector.{n}_projection.weight" for n in ("hidden", "predecessor", "successor")], \
         f"resume.pt holds the selector tensors {selector}"
-    fresh = DFlash2Drafter(drafter.config)
+    fresh = DFlash2Drafter(drafter.config, rope=drafter.rope)
     fresh_optimizer = torch.optim.AdamW(fresh.parameters())
     assert checkpoint.resume(state, {"target_weights": [1.0]}, fresh, fresh_optimizer, tmp_path, False) == 7
     differ = [k for k, v in drafter.state_dict().items() if not torch.equal(fresh.state_dict()[k], v)]

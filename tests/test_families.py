@@ -18,8 +18,9 @@ import checkpoint
 import dflash2
 import regenerate
 from conftest import argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
-from target import check_target_view, model_class, target_features
-from dflash2 import DFlash2Config, DFlash2Drafter, DraftCache
+from target import (check_target_view, config_transforms, decoding_view, drafter_config, model_class, rope_tables,
+                    target_features, text_config)
+from dflash2 import DFlash2Drafter, DraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -104,9 +105,9 @@ def family_target(family, seed=0, **config):
     torch.manual_seed(seed)
     model = model_class(config).from_config(config)
     model = model.to(torch.float32 if family in MOE else torch.float64).eval().requires_grad_(False)
-    tc = dflash2.text_config(config)
+    tc = text_config(config)
     model.get_output_embeddings().weight.mul_(40.0 / (tc.hidden_size ** 0.5 if family.startswith("Gemma") else 1.0)
-                                              / min(dflash2.target_view(tc)["output_multiplier"], 1.0))
+                                              / min(config_transforms(tc)["output_multiplier"], 1.0))
     for name, p in model.named_parameters():  # Mamba states that decay slowly: a wrong state after a rollback shows
         if name.endswith("A_log"):
             p.fill_(-4.0)
@@ -116,7 +117,8 @@ def family_target(family, seed=0, **config):
 def family_drafter(target, seed=1, **overrides):
     torch.manual_seed(seed)
     shape = dict(mask_token_id=V - 1, num_layers=2, conv_group_size=8, selector_rank=4, block_size=4)
-    drafter = DFlash2Drafter(DFlash2Config.from_target(target.config, **{**shape, **overrides}))
+    c = drafter_config(target.config, **{**shape, **overrides})
+    drafter = DFlash2Drafter(c, rope=rope_tables(c))
     with torch.no_grad():  # off the identity init, so that every part changes what is drafted
         for name, p in drafter.named_parameters():
             p.add_(0.3 * torch.randn_like(p)) if ("_conv." in name or name.startswith("candidate_selector.")) else None
@@ -141,55 +143,55 @@ ROPES = {"default": (transformers.LlamaConfig, dict(rope_type="default", rope_th
 def test_rope_tables_equal_transformers_rotary_embedding_inside_and_beyond_the_original_context(kind):
     cls, rope, extra = ROPES[kind]
     config = cls(**{**SHAPE, "rope_parameters": dict(rope), **extra})
-    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    c = drafter_config(config, mask_token_id=V - 1)
     theirs = transformers.AutoModelForCausalLM.from_config(config).model.rotary_emb
     for length in (6, 100):  # inside the original 8 positions, and far beyond (max_position_embeddings 128)
         positions = torch.arange(length)[None]
         cos, sin = theirs(torch.zeros(1, length, 8), positions)
-        ours = dflash2.rope_cos_sin(positions, *dflash2.rope_frequencies(c, length), torch.float32)
+        ours = dflash2.rope_cos_sin(positions, *rope_tables(c)(c, positions), torch.float32)
         assert torch.equal(ours[0], cos) and torch.equal(ours[1], sin), (
             f"{kind} at {length} positions: cos / sin differ from transformers' by "
             f"{float((ours[0] - cos).abs().max()):.3g} / {float((ours[1] - sin).abs().max()):.3g}")
 
 
 def test_dynamic_rope_past_its_context_is_refused_and_an_unknown_one_by_name():
-    c = DFlash2Config.from_target(transformers.LlamaConfig(**{**SHAPE, "rope_parameters": dict(ROPES["dynamic"][1])}),
-                                  mask_token_id=V - 1)
+    c = drafter_config(transformers.LlamaConfig(**{**SHAPE, "rope_parameters": dict(ROPES["dynamic"][1])}),
+                       mask_token_id=V - 1)
     with pytest.raises(ValueError, match="dynamic RoPE at position 128, past max_position_embeddings"):
-        dflash2.rope_frequencies(c, 129)
+        rope_tables(c)(c, torch.arange(129)[None])
     with pytest.raises(ValueError, match="rope_type 'longrope' with partial_rotary_factor 0.5"):
-        DFlash2Config.from_target(transformers.Phi3Config(**{**SHAPE, "partial_rotary_factor": 0.5,
-                                                             "original_max_position_embeddings": 8, "rope_parameters": {
+        drafter_config(transformers.Phi3Config(**{**SHAPE, "partial_rotary_factor": 0.5,
+                                                  "original_max_position_embeddings": 8, "rope_parameters": {
             **LONGROPE, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}}), mask_token_id=V - 1)
 
 
 def test_a_hyper_connection_target_is_refused_by_name_before_any_weights():
     config = transformers.DeepseekV4Config(**{**SHAPE, "hc_mult": 4})
     with pytest.raises(ValueError, match=r"the 'deepseek_v4' target has hyper-connections \(hc_mult 4\)"):
-        DFlash2Config.from_target(config, mask_token_id=V - 1)
+        drafter_config(config, mask_token_id=V - 1)
 
 
 def test_an_moe_config_without_intermediate_size_takes_its_routed_experts_width_or_is_refused_by_name():
     cls, fields = FAMILIES["Qwen3.5-MoE"]
     config = cls(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, **fields)  # as its class has it
-    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    c = drafter_config(config, mask_token_id=V - 1)
     assert c.intermediate_size == 16 * 2, f"moe_intermediate_size 16 × 2 experts a token, not {c.intermediate_size}"
-    assert DFlash2Config.from_target(config, mask_token_id=V - 1, intermediate_size=40).intermediate_size == 40
+    assert drafter_config(config, mask_token_id=V - 1, intermediate_size=40).intermediate_size == 40
     config.__dict__["num_experts_per_tok"] = None  # past the strict field check: a config with neither width
     with pytest.raises(ValueError, match="the target's 'qwen3_5_moe_text' config has no intermediate_size"):
-        DFlash2Config.from_target(config, mask_token_id=V - 1)
+        drafter_config(config, mask_token_id=V - 1)
 
 
 def test_gemma4_drafter_takes_its_full_attention_layers_width_and_proportional_rope():
     """Gemma-4's layers differ in head_dim (global_head_dim on full attention); the drafter reads the
     full-attention layers' width as it reads their RoPE, whose table is transformers' own."""
     config = family_config("Gemma-4")
-    c = DFlash2Config.from_target(config, mask_token_id=V - 1)
+    c = drafter_config(config, mask_token_id=V - 1)
     assert (c.head_dim, c.rope_theta, c.rope_scaling) == (16, 1e6, dict(rope_type="proportional",
                                                                       partial_rotary_factor=0.25)), f"read as {c}"
     full = config.get_text_config().per_layer_config[3]
     theirs = transformers.ROPE_INIT_FUNCTIONS["proportional"](config.get_text_config(), layer_type="full_attention")[0]
-    ours = dflash2.rope_frequencies(c)[0]
+    ours = rope_tables(c)(c, torch.arange(100)[None])[0]
     assert full.head_dim == 16 and torch.equal(ours, theirs), f"inverse frequencies {ours} != transformers' {theirs}"
     assert int((ours == 0).sum()) == 16 // 2 - int(0.25 * 16 // 2), "proportional RoPE leaves the rest of a head unrotated"
 
@@ -202,7 +204,8 @@ def rotary_tables(config, length, *layer_type):
 
 
 def our_tables(c, length):
-    return dflash2.rope_cos_sin(torch.arange(length)[None], *dflash2.rope_frequencies(c, length), torch.float32)
+    positions = torch.arange(length)[None]
+    return dflash2.rope_cos_sin(positions, *rope_tables(c)(c, positions), torch.float32)
 
 
 def max_diff(ours, theirs):
@@ -245,15 +248,15 @@ def test_yarn_without_truncate_or_beta_fast_takes_transformers_defaults(case):
     rope = {k: v for k, v in yarn.items() if v is not None}
     config = transformers.Qwen3Config(**{**SHAPE, "max_position_embeddings": 1024, "rope_parameters": rope})
     theirs = rotary_tables(config, 100)
-    diff = max_diff(our_tables(DFlash2Config.from_target(config, mask_token_id=V - 1), 100), theirs)
+    diff = max_diff(our_tables(drafter_config(config, mask_token_id=V - 1), 100), theirs)
     assert diff == 0, f"{case}: cos / sin differ from transformers' by {diff:.3g}"
     config.rope_parameters = {**rope, **against}
     assert max_diff(rotary_tables(config, 100), theirs) > 0.1, f"{case}: {against} changes nothing: no test here"
 
 
 def small_drafter_config(target_config):
-    return DFlash2Config.from_target(target_config, mask_token_id=V - 1, num_layers=1, block_size=4,
-                                     conv_group_size=8, selector_rank=4)
+    return drafter_config(target_config, mask_token_id=V - 1, num_layers=1, block_size=4, conv_group_size=8,
+                          selector_rank=4)
 
 
 def test_longrope_takes_its_short_factors_through_the_original_context_and_the_long_ones_past_it():
@@ -268,15 +271,15 @@ def test_longrope_takes_its_short_factors_through_the_original_context_and_the_l
         diff = max_diff(our_tables(c, length), rotary_tables(config, length))
         assert diff == 0, f"{length} positions: cos / sin differ from transformers' by {diff:.3g}"
         inv_freq, _ = ROPE_INIT_FUNCTIONS["longrope"](config, seq_len=length)
-        assert torch.equal(dflash2.rope_frequencies(c, length)[0], inv_freq), (
+        assert torch.equal(rope_tables(c)(c, torch.arange(length)[None])[0], inv_freq), (
             f"{length} positions: the inverse frequencies are not transformers' of the {factors}")
     torch.manual_seed(0)
-    drafter = DFlash2Drafter(c).double().eval()
+    drafter = DFlash2Drafter(c, rope=rope_tables(c)).double().eval()
     pinned = {}
     for kind in ("short", "long"):
         factors = LONGROPE[f"{kind}_factor"]
-        pinned[kind] = DFlash2Drafter(dataclasses.replace(c, rope_scaling={
-            **c.rope_scaling, "short_factor": factors, "long_factor": factors})).double().eval()
+        p = dataclasses.replace(c, rope_scaling={**c.rope_scaling, "short_factor": factors, "long_factor": factors})
+        pinned[kind] = DFlash2Drafter(p, rope=rope_tables(p)).double().eval()  # its own tables, of its own factors
         pinned[kind].load_state_dict(drafter.state_dict())
     g = torch.Generator().manual_seed(1)
     embeds, ctx = torch.randn(1, 4, H, generator=g), torch.randn(1, L0, len(c.target_layer_ids) * H, generator=g)
@@ -298,7 +301,7 @@ def test_dynamic_rope_serves_the_last_position_of_its_context():
     diff = max_diff(our_tables(c, 128), rotary_tables(config, 128))
     assert diff == 0, f"positions 0..127: cos / sin differ from transformers' by {diff:.3g}"
     torch.manual_seed(0)
-    drafter = DFlash2Drafter(c).eval()
+    drafter = DFlash2Drafter(c, rope=rope_tables(c)).eval()
     embeds, ctx = torch.randn(1, 4, H), torch.randn(1, 125, len(c.target_layer_ids) * H)
     with torch.no_grad():
         drafter(embeds, torch.arange(124, 128)[None], ctx[:, :124], torch.arange(124)[None])  # the block ends at 127
@@ -327,7 +330,7 @@ VIEWS = {  # the transforms each family's forward applies to its tables, as the 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_drafter_reads_the_target_as_its_own_forward_does(family):
     target = family_target(family)
-    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    c = drafter_config(target.config, mask_token_id=V - 1)
     want = VIEWS.get(family, PLAIN_VIEW)
     got = {k: getattr(c, k) for k in want}
     assert got == pytest.approx(want), f"{family}: the transforms read from its config are {got}, not {want}"
@@ -341,7 +344,7 @@ def test_the_drafter_reads_the_target_as_its_own_forward_does(family):
 
 def test_a_transform_nobody_declares_is_refused_at_the_startup_check():
     target = family_target("Qwen3")
-    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    c = drafter_config(target.config, mask_token_id=V - 1)
     ids = torch.randint(0, V - 1, (1, 10), generator=torch.Generator().manual_seed(0))
     forward = target.forward
 
@@ -358,29 +361,37 @@ def test_the_block_embeddings_are_the_raw_rows_times_the_scale():
     """Engines multiply the raw table by input_embedding_scale; Gemma's embedding module rounds √H to
     the table's dtype first. The drafter computes what the engines compute."""
     target = family_target("Gemma-3").to(torch.bfloat16)
-    c = DFlash2Config.from_target(target.config, mask_token_id=V - 1)
+    c = drafter_config(target.config, mask_token_id=V - 1)
     ids = torch.arange(V)[None]
-    ours = dflash2.embed_tokens(c, target.get_input_embeddings(), ids)
+    ours = dflash2.embed_rows(c, target.get_input_embeddings().weight, ids)
     engines = torch.nn.functional.embedding(ids, target.get_input_embeddings().weight) * float(H ** 0.5)
     assert torch.equal(ours, engines), "the drafter's block embeddings are not the raw rows times input_embedding_scale"
+    view = dflash2.target_view(c, target)  # what the loss and decoding embed the blocks with
+    assert torch.equal(view.embed(ids), engines), "the target view's embeddings are not the raw rows times the scale"
     assert not torch.equal(ours, target.get_input_embeddings()(ids)), "bf16 √H rounding: this test could not fail"
 
 
 def test_logits_with_a_multiplier_and_soft_capping_are_the_cap_of_the_multiplied_logits():
-    """The published z-lab DFlash2 config has both: logits = c·tanh(m·y / c), the multiplier first."""
-    c = DFlash2Config.from_target(transformers.Qwen3Config(**SHAPE), mask_token_id=V - 1, **PUBLISHED_VIEW)
+    """The published z-lab DFlash2 config has both: logits = c·tanh(m·y / c), the multiplier first; the
+    formula, the training view and the decoding view (lm_head_rows: a vocabulary of 1100 is two 512-row
+    pieces and a part) all compute it."""
+    config = transformers.Qwen3Config(**{**SHAPE, "vocab_size": 1100})
+    c = drafter_config(config, mask_token_id=V - 1, **PUBLISHED_VIEW)
     m, cap = PUBLISHED_VIEW["output_multiplier"], PUBLISHED_VIEW["final_logit_softcapping"]
     torch.manual_seed(0)
-    lm_head = torch.nn.Linear(H, V, bias=False).requires_grad_(False)
+    target = transformers.Qwen3ForCausalLM(config).eval().requires_grad_(False)
+    lm_head = target.get_output_embeddings()
     lm_head.weight.normal_()
     x = 10 * torch.randn(3, 5, H)  # raw logits y of a few hundred: m·y / c reaches ±3, where tanh bends
     y = x.double() @ lm_head.weight.double().T
     want = cap * torch.tanh(m * y / cap)
     assert float((want - m * cap * torch.tanh(y / cap)).abs().max()) > 1, "the order changes nothing: no test here"
-    for upcast in (True, False):
-        for few_rows in (False, True):
-            diff = float((dflash2.target_logits(c, lm_head, x, upcast, few_rows).double() - want).abs().max())
-            assert diff < 1e-4, f"upcast {upcast}, few_rows {few_rows}: logits off c·tanh(m·y / c) by {diff:.3g}"
+    for what, logits in (("transformed_logits", dflash2.transformed_logits(c, lm_head(x))),
+                         ("target_view", dflash2.target_view(c, target).logits(x)),
+                         ("decoding_view", decoding_view(c, target).logits(x))):
+        diff = float((logits.double() - want).abs().max())
+        assert logits.dtype == torch.float32 and diff < 1e-4, (
+            f"{what}: {logits.dtype} logits off c·tanh(m·y / c) by {diff:.3g}")
 
 
 def family_head(target):
@@ -398,28 +409,27 @@ def family_head(target):
 BITING = {"Gemma-2": dict(final_logit_softcapping=3.0), "Granite": {}}  # Gemma-2: a cap at the logits' size
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "formula"])
 @pytest.mark.parametrize("family", BITING)
-def test_the_training_loss_reads_the_targets_transformed_logits_on_both_sides(family, fused):
+def test_the_training_loss_reads_the_targets_transformed_logits_on_both_sides(family):
     """L_unary = Σ w_k·KL(softmax(r) ‖ softmax(z)) / Σ w_k over the slots, r the target's own forward
     logits at t − 1 and z the family's logits of the drafter's output (family_head, checked against
-    that forward), whichever implementation computes the loss."""
+    that forward)."""
     target = family_target(family, **BITING[family])
     drafter = family_drafter(target, selector_top_k=0)
     c, B, gamma = drafter.config, 4, 2.0
     ids = torch.randint(0, V - 1, (1, 16), generator=torch.Generator().manual_seed(8))
     ones, anchors = torch.ones_like(ids), torch.tensor([[2, 7, 12]])  # every slot t = a + k < 16 counts
     context, last = target_features(target, ids, ones, c.target_layer_ids)
-    cfg = dflash2.LossConfig(gamma=gamma, fused=fused)
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    _, stats = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors, valid, cfg)
+    cfg = dflash2.LossConfig(gamma=gamma)
+    batch = dflash2.Batch(ids, ones, ones, context, last, anchors, torch.ones_like(anchors, dtype=torch.bool))
+    _, stats, _ = dflash2.dflash2_loss(drafter, dflash2.target_view(c, target), batch, cfg)
     head, lm_head = family_head(target), target.get_output_embeddings().weight.double()
     with torch.no_grad():
         r = target(ids).logits[0].double()
         off = float((head(last[0]) - r).abs().max())
         assert off < 1e-9, f"{family}: family_head differs from the target's forward logits by {off:.3g}"
         block, pos = dflash2.block_layout(ids, anchors, B, c.mask_token_id)
-        h = drafter(dflash2.embed_tokens(c, target.get_input_embeddings(), block), pos, context,
+        h = drafter(dflash2.embed_rows(c, target.get_input_embeddings().weight, block), pos, context,
                     torch.arange(16)[None], dflash2.block_attention_mask(anchors, ones, B))
     t = anchors[0, :, None] + torch.arange(1, B)                     # (N, B−1): slot k predicts t = a + k
     slots, w = h.view(len(t), B, H)[:, 1:], torch.exp(-torch.arange(B - 1, dtype=torch.float64) / gamma)
@@ -482,12 +492,14 @@ def test_the_family_decodes_losslessly_and_trains(family):
     attention, loss_mask = torch.ones_like(ids), torch.ones_like(ids)
     check_target_view(drafter.config, target, ids[:1])
     context, last = target_features(target, ids, attention, drafter.config.target_layer_ids)
+    view = dflash2.target_view(drafter.config, target)
     drafter.train()
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     losses = []
     for _ in range(4):  # one batch, four steps: the loss must fall
         anchors, valid = dflash2.sample_anchors(loss_mask, 4, generator=torch.Generator().manual_seed(3))
-        loss, _ = dflash2.dflash2_loss(drafter, target, ids, attention, loss_mask, context, last, anchors, valid)
+        batch = dflash2.Batch(ids, attention, loss_mask, context, last, anchors, valid)
+        loss, _, _ = dflash2.dflash2_loss(drafter, view, batch)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -603,19 +615,19 @@ def test_sliding_training_forward_equals_the_cached_decoding_forward_past_the_wi
     ctx = dflash2.context_features(states, c.target_layer_ids)
     anchors = torch.tensor([[3, 13, 22, 26]])
     block, pos = dflash2.block_layout(ids, anchors, B, c.mask_token_id)
-    embed = target.get_input_embeddings()
+    W_in = target.get_input_embeddings().weight
     with torch.no_grad():
-        packed = drafter(dflash2.embed_tokens(c, embed, block), pos, ctx, torch.arange(S)[None],
+        packed = drafter(dflash2.embed_rows(c, W_in, block), pos, ctx, torch.arange(S)[None],
                          dflash2.block_attention_mask(anchors, torch.ones_like(ids), B))
         for j, a in enumerate(anchors[0].tolist()):
             cache, fed = DraftCache(c.num_layers), 0
             while fed < a:  # the context in pieces of 3 (the last one carries the block)
                 new = min(3, a - fed)
                 if fed + new < a:
-                    drafter(dflash2.embed_tokens(c, embed, block[:, :B]), torch.arange(fed + new, fed + new + B)[None],
+                    drafter(dflash2.embed_rows(c, W_in, block[:, :B]), torch.arange(fed + new, fed + new + B)[None],
                             ctx[:, fed:fed + new], torch.arange(fed, fed + new)[None], cache=cache)
                 else:
-                    alone = drafter(dflash2.embed_tokens(c, embed, block[:, j * B:(j + 1) * B]),
+                    alone = drafter(dflash2.embed_rows(c, W_in, block[:, j * B:(j + 1) * B]),
                                     torch.arange(a, a + B)[None], ctx[:, fed:a], torch.arange(fed, a)[None],
                                     cache=cache)
                 fed += new
@@ -627,7 +639,7 @@ def test_sliding_training_forward_equals_the_cached_decoding_forward_past_the_wi
     full = family_drafter(target, num_layers=3, block_size=4)
     full.load_state_dict(drafter.state_dict())
     with torch.no_grad():
-        unwindowed = full(dflash2.embed_tokens(c, embed, block), pos, ctx, torch.arange(S)[None],
+        unwindowed = full(dflash2.embed_rows(c, W_in, block), pos, ctx, torch.arange(S)[None],
                           dflash2.block_attention_mask(anchors, torch.ones_like(ids), B))
     assert float((unwindowed - packed)[0, B:].abs().max()) > 1e-3, "the window changed nothing: W is not applied"
 
@@ -654,7 +666,7 @@ def test_a_window_of_one_decodes_losslessly():
     cache = DraftCache(drafter.config.num_layers)
     with torch.no_grad():  # one draft pass reading the prompt's features, as decoding's first does
         states = target(prompt, output_hidden_states=True).hidden_states
-        dflash2.draft_forward(drafter, target.get_input_embeddings(), target.get_output_embeddings(), prompt[0, -1:],
+        dflash2.draft_forward(drafter, dflash2.target_view(drafter.config, target), prompt[0, -1:],
                               dflash2.context_features(states, drafter.config.target_layer_ids), cache)
     held = [cache.kv[i][0].shape[2] for i in range(drafter.config.num_layers)]
     assert held == [0, PROMPT, 0], f"the draft cache holds {held} context positions per layer, not [0, {PROMPT}, 0]"

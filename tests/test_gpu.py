@@ -17,6 +17,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 import checkpoint
 import dflash2
 from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
+from target import drafter_config
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,8 +149,7 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
     selector's edge scores still fp32 inside autocast."""
     target = tiny_qwen3(vocab_size=1024, hidden_size=64, num_layers=4, head_dim=16, dtype=torch.float32).to(device)
     torch.manual_seed(0)
-    c = dflash2.DFlash2Config.from_target(target.config, num_layers=2, block_size=8, selector_rank=16,
-                                          mask_token_id=1023)
+    c = drafter_config(target.config, num_layers=2, block_size=8, selector_rank=16, mask_token_id=1023)
     drafter = dflash2.DFlash2Drafter(c).to(device)
     with torch.no_grad():
         for p in drafter.parameters():  # off the identity init, so the DFlash2 parts carry gradient
@@ -160,13 +160,13 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
     context, last = dflash2.context_features(hidden, drafter.config.target_layer_ids), hidden[-1]
-    anchors, valid = (x.to(device) for x in dflash2.sample_anchors(ones, 16, g))
+    batch = dflash2.Batch(ids, ones, ones, context, last, *(x.to(device) for x in dflash2.sample_anchors(ones, 16, g)))
+    view = dflash2.target_view(c, target)
 
     def run(amp, chunk):
         drafter.zero_grad(set_to_none=True)
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=amp):
-            loss, _ = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors, valid,
-                                           dflash2.LossConfig(chunk_size=chunk))
+            loss = dflash2.dflash2_loss(drafter, view, batch, dflash2.LossConfig(chunk_size=chunk))[0]
             h = torch.randn(3, c.hidden_size, device=device)
             cand = torch.randint(0, c.vocab_size, (3, 4), device=device)
             scores = drafter.candidate_selector.edge_scores(h, torch.randn(3, c.vocab_size, device=device),

@@ -80,12 +80,11 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
     with torch.no_grad():
         hidden = target.get_decoder()(input_ids=ids, output_hidden_states=True).hidden_states
     context, last = dflash2.context_features(hidden, c.target_layer_ids), hidden[-1]
-    anchors, valid = dflash2.sample_anchors(ones, 20, g)
-    slots = 2 * 20 * (c.block_size - 1)
+    batch = dflash2.Batch(ids, ones, ones, context, last, *dflash2.sample_anchors(ones, 20, g))
+    view, slots = dflash2.target_view(c, target), 2 * 20 * (c.block_size - 1)
     for chunk, most in ((5, 5), (None, slots)):
         with LargestVocabTensor(V) as seen:
-            loss, stats = dflash2.dflash2_loss(drafter, target, ids, ones, ones, context, last, anchors, valid,
-                                               dflash2.LossConfig(chunk_size=chunk))
+            loss, _, _ = dflash2.dflash2_loss(drafter, view, batch, dflash2.LossConfig(chunk_size=chunk))
             loss.backward()
         assert seen.largest == most * V, \
             f"chunk_size {chunk}: largest vocabulary-wide tensor has {seen.largest // V} slots, want {most}"

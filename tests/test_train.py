@@ -22,6 +22,7 @@ import tiny_world
 import train
 from conftest import plain_greedy, tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
+from target import drafter_config
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
@@ -53,7 +54,9 @@ def flags(world, out, *extra, data=None):
     return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out),
             "--cache-dir", str(world["root"] / "cache"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6",
             "--val-size", "4", "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8",
-            "--log-every", "1", "--dtype", "float32", *extra]  # float32: the same numbers on every CPU
+            "--log-every", "1", "--dtype", "float32", "--compile", "off", *extra]
+    # float32: the same numbers on every CPU; --compile off: each process would compile the loss again, and the
+    # compiled loss is held to the formula once, in test_dflash2.py, and in train.py's step below
 
 
 def args_for(world, out, *extra, data=None):
@@ -129,10 +132,10 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
     data = write_jsonl(tmp_path / "six.jsonl", [{"messages": c} for c in convs])
     drawn, loss_step = [], train.loss_step
 
-    def recording(drafter, target, inputs, *rest, **kw):  # the anchors drawn, by row
-        ids, attn, anchors, valid = inputs[0], inputs[1], inputs[-2], inputs[-1]
+    def recording(drafter, view, target, batch, *rest, **kw):  # the anchors drawn, by row
+        ids, attn, anchors, valid = batch.input_ids, batch.attention_mask, batch.anchors, batch.anchor_valid
         drawn.extend((tuple(ids[r][attn[r].bool()].tolist()), anchors[r][valid[r]].tolist()) for r in range(len(ids)))
-        return loss_step(drafter, target, inputs, *rest, **kw)
+        return loss_step(drafter, view, target, batch, *rest, **kw)
 
     monkeypatch.setattr(train, "loss_step", recording)
     train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", "--batch-size", "5", data=data))
@@ -148,8 +151,8 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
 
 
 def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path):
-    v1 = DFlash2Config.from_target(AutoConfig.from_pretrained(world["target"]), mask_token_id=258, num_layers=1,
-                                   conv_kernel_size=0, selector_top_k=0)
+    v1 = drafter_config(AutoConfig.from_pretrained(world["target"]), mask_token_id=258, num_layers=1,
+                        conv_kernel_size=0, selector_top_k=0)
     checkpoint.save_export(DFlash2Drafter(v1), tmp_path / "v1")
     train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(tmp_path / "v1")))
     c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
@@ -508,10 +511,12 @@ def step_inputs(world, rows=3):
     return args, batch, target, drafter
 
 
-def step(drafter, target, batch, args, **kw):
+def step(drafter, target, batch, args, sums_fn=dflash2.slot_sums, **kw):
+    """train.py's step on batch: its loss and gradients. sums_fn: the loss formula, or train.compiled_loss's."""
     drafter.zero_grad(set_to_none=True)
     inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, args.max_anchors, [1, 2, 3], **kw)
-    loss, _ = train.loss_step(drafter, target, inputs, train.loss_config(args))
+    view = dflash2.target_view(drafter.config, target)
+    loss, _, _ = train.loss_step(drafter, view, target, inputs, train.loss_config(args), sums_fn)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
@@ -519,10 +524,12 @@ def step(drafter, target, batch, args, **kw):
 def test_a_cpu_bf16_autocast_step_is_the_float32_step_within_bf16_rounding(world):
     """A bf16 target (--dtype bfloat16) runs the drafter's step under CPU bf16 autocast: its loss
     is the float32 step's to 2% and every gradient tensor to 20% in norm (‖g_bf16 - g‖ / ‖g‖; measured: at most 12%). bf16
-    keeps 8 bits of mantissa (0.4% a rounding), compounded over the target's and the drafter's layers."""
+    keeps 8 bits of mantissa (0.4% a rounding), compounded over the target's and the drafter's layers. Both steps
+    run the loss as train.py does, compiled (train.compiled_loss)."""
     args, batch, target, drafter = step_inputs(world)
-    want_loss, want = step(drafter, target, batch, args)
-    got_loss, got = step(drafter, target.to(torch.bfloat16), batch, args)
+    sums_fn = train.compiled_loss(torch.device("cpu"), lambda line: None)
+    want_loss, want = step(drafter, target, batch, args, sums_fn)
+    got_loss, got = step(drafter, target.to(torch.bfloat16), batch, args, sums_fn)
     assert abs(got_loss - want_loss) < 0.02 * want_loss, f"bf16 loss {got_loss} vs float32 {want_loss}"
     for name, g in want.items():
         assert got[name].dtype == torch.float32, f"{name}: gradient in {got[name].dtype}, the weights are float32"
@@ -627,19 +634,26 @@ def test_the_learning_rate_warms_up_then_follows_a_cosine_down_to_its_floor():
         train.parse_args(["--lr-floor", "1.5"])
 
 
-def test_the_fused_unary_term_is_float32_under_bf16_autocast():
-    """The step runs under bf16 autocast below a float32 target, where bmm would run in bf16:
-    dflash2.FusedUnaryLoss's KL term must still be the float64 formula's to float32 rounding. In
-    bf16 (8 bits of mantissa) its Σ_v p_v·r_v and Σ_v p_v·z_v, here about 5 each, would be off
-    by ~0.02, far outside 1e-4."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["formula", "compiled"])
+def test_the_unary_term_is_float32_under_bf16_autocast(compiled):
+    """The step runs under bf16 autocast below a float32 target, where a matmul or bmm would run in bf16:
+    the loss's KL term (dflash2.slot_sums, eager and as train.compiled_loss runs it) must still be the
+    float64 formula's to float32 rounding, slot by slot (w one-hot on the slot). In bf16 (8 bits of
+    mantissa) its Σ_v p_v·r_v and Σ_v p_v·z_v, here about 5 each, would be off by ~0.02, far outside 1e-4."""
     torch.manual_seed(0)
     z, r = 3 * torch.randn(8, 600), 3 * torch.randn(8, 600)
     p = torch.softmax(r.double(), -1)
     want = (p * (torch.log_softmax(r.double(), -1) - torch.log_softmax(z.double(), -1))).sum(-1)
+    view = dflash2.TargetView(torch.zeros(600, 600), None, lambda x: x)  # the slots' logits are z and r themselves
+    lines = []
+    sums_fn = train.compiled_loss(torch.device("cpu"), lines.append) if compiled else dflash2.slot_sums
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got = dflash2.FusedUnaryLoss.apply(z, r, False, 0)[0]
+        got = torch.stack([sums_fn(view, None, dflash2.LossConfig(), z, r, torch.zeros(8, dtype=torch.long), w)["unary"]
+                           for w in torch.eye(8)])
     err = (got.double() - want).abs().max().item()
-    assert got.dtype == torch.float32 and err < 1e-4, f"fused KL under bf16 autocast: {got.dtype}, off by {err:.3g}"
+    assert got.dtype == torch.float32 and err < 1e-4, (
+        f"KL under bf16 autocast ({'compiled' if compiled else 'formula'}{'; ' if lines else ''}{' '.join(lines)}): "
+        f"{got.dtype}, off by {err:.3g}")
 
 
 def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
