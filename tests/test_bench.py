@@ -8,6 +8,7 @@ import itertools
 import json
 import math
 import os
+import re
 import statistics
 import sys
 
@@ -17,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
+import tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, real
 from conftest import tiny_qwen3
 
@@ -340,6 +342,97 @@ def test_held_out_modules_are_whole_and_about_the_size_asked():
             assert held == real.held_out_modules(requests, rows, seed)
     with pytest.raises(ValueError, match="modules give 24 held-out requests, fewer than 40"):
         real.held_out_modules(requests, 40)
+
+
+def requests_of_stdlib(tmp_path, monkeypatch, files):
+    """real.stdlib_requests over a standard library of `files` ({path: source}) -> {function: (module, request)}."""
+    import sysconfig
+    for name, text in files.items():
+        (tmp_path / "lib" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "lib" / name).write_text(text)
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path / "lib")})
+    return {re.search(r"def (\w+)\(", r)[1]: (m, r) for m, r in real.stdlib_requests()}
+
+
+def documented(name, doc="Return the thing asked for, computed the long way round.", indent=""):
+    return f'{indent}def {name}(x):\n{indent}    """{doc}"""\n'
+
+
+def docstring_words(request):
+    """The words of the docstring a request holds, its wrapping undone."""
+    return " ".join(request.split('"""')[1].split())
+
+
+def test_held_out_modules_are_a_seeded_draw_not_the_alphabets_first():
+    """Twelve modules of two requests, four rows asked: two modules held out. The default seed's
+    (real_world's) are not the alphabet's first two, and over 60 seeds every module is drawn."""
+    modules = [f"m{i:02d}" for i in range(12)]
+    requests = [(m, f"request {j} of {m}") for m in modules for j in range(2)]
+    draws = [real.held_out_modules(requests, 4, seed) for seed in range(60)]
+    assert draws[0] != set(modules[:2]), f"the default seed holds out the alphabet's first modules {draws[0]}"
+    never = set(modules) - set().union(*draws)
+    assert not never, f"no seed of 60 draws the modules {sorted(never)}: {draws[:5]}..."
+
+
+def test_a_packages_submodules_are_held_out_with_the_package(tmp_path, monkeypatch):
+    """A request's module is the top-level name of its file: the functions of pkg/alpha.py and
+    pkg/sub/beta.py are pkg's, so a held-out draw takes both or neither, whatever the seed."""
+    got = requests_of_stdlib(tmp_path, monkeypatch, {
+        "pkg/__init__.py": "", "pkg/alpha.py": documented("one"), "pkg/sub/beta.py": documented("two"),
+        "aaa.py": documented("three"), "solo.py": documented("four"), "zzz.py": documented("five")})
+    modules = {name: m for name, (m, _) in got.items()}
+    want = {"one": "pkg", "two": "pkg", "three": "aaa", "four": "solo", "five": "zzz"}
+    assert modules == want, f"requests' modules {modules}, want each file's top-level name {want}"
+    held = [{name for name, (m, _) in got.items() if m in real.held_out_modules(list(got.values()), 2, seed)}
+            for seed in range(20)]
+    split = [h for h in held if len({"one", "two"} & h) == 1]
+    assert not split and any("one" in h for h in held), f"held-out functions by seed: {held}"
+
+
+def test_decoded_prompts_end_with_the_assistant_header(tmp_path):
+    """HumanEval's prompts (chat_prompt) and the held-out rows' (validation rows cut before the
+    answer) are the request rendered by the tokenizer's own template with its generation prompt,
+    here ChatML's assistant header."""
+    tokenizer, text = tiny_world.build_tiny_tokenizer(), "Complete the following Python function."
+    user = [{"role": "user", "content": text}]
+    with_prompt, without = (tokenizer.apply_chat_template(user, tokenize=False, add_generation_prompt=flag)
+                            for flag in (True, False))
+    assert with_prompt == without + "<|im_start|>assistant\n", f"the template's generation prompt: {with_prompt!r}"
+    humaneval = tokenizer.decode(real.chat_prompt(tokenizer, text)[0])
+    assert humaneval == with_prompt, f"chat_prompt decodes to {humaneval!r}, the template's {with_prompt!r}"
+    from data import load_rows
+    world = tmp_path / "world.jsonl"  # a row of the real world: the request and the target's answer
+    world.write_text(json.dumps({"messages": user + [{"role": "assistant", "content": "def f(): pass"}]}) + "\n")
+    rows = load_rows(str(world), "train", tokenizer, 512, log=lambda *a: None)
+    held_out = tokenizer.decode(common.prompts_of(rows, 1)[0][0])
+    assert held_out == with_prompt, f"a held-out row's prompt decodes to {held_out!r}, the template's {with_prompt!r}"
+
+
+def test_request_docstrings_are_their_first_paragraph_cut_to_240_characters(tmp_path, monkeypatch):
+    """A request holds its docstring's first paragraph (line breaks undone); one longer than 240
+    characters is cut after a whole word within the limit, the cut marked by ' ...'."""
+    long = ("Gather every record the journal holds for the given account and fold them into one summary "
+            "whose totals,\n    averages and extremes follow the ledger's own ordering of entries across "
+            "all periods,\n    so that callers comparing accounts see figures computed the same way "
+            "whatever the journal's storage layout happens to be today.")
+    short = "Return the thing asked for,\n    computed the long way round."
+    rest = "\n\n    Details that stay out of the request."
+    got = requests_of_stdlib(tmp_path, monkeypatch, {"mod.py": documented("gather", long + rest)
+                                                     + documented("thing", short + rest)})
+    docs = {name: docstring_words(r) for name, (_, r) in got.items()}
+    assert docs["thing"] == " ".join(short.split()), f"request docstring {docs['thing']!r}, want its first paragraph"
+    words, kept = long.split(), docs["gather"].removesuffix(" ...")
+    k = len(kept.split())
+    assert len(" ".join(words)) > 240 and docs["gather"].endswith(" ...") and kept == " ".join(words[:k]) \
+        and len(kept) <= 240 < len(" ".join(words[:k + 2])), \
+        f"a {len(' '.join(words))}-character first paragraph became {len(kept)} characters: {docs['gather']!r}"
+
+
+def test_methods_of_private_classes_never_become_requests(tmp_path, monkeypatch):
+    got = requests_of_stdlib(tmp_path, monkeypatch, {"mod.py": "class _Hidden:\n" + documented(
+        "hidden", "Open the hidden lid and return what the box held inside.", "    ") + "class Shown:\n" + documented(
+        "shown", "Close the shown lid and return whether the box was full.", "    ")})
+    assert set(got) == {"shown"}, f"requests for {sorted(got)}; only the public class's method should be one"
 
 
 def test_humaneval_task_ids_are_humanevals_own(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Tests of memory.py (the plan `python memory.py` prints) and of the memory the loss
 allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
 table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
-and bad input. Nothing here needs a GPU or downloads anything.
+the flags the plan reads (memory.py's and train.py's GPU check alike), and bad input. Nothing
+here needs a GPU or downloads anything.
 """
 import os
 import re
@@ -15,7 +16,8 @@ from torch.utils._pytree import tree_leaves
 
 import dflash2
 import memory
-from target import load_config
+import train
+from target import drafter_config, load_config
 from bench import cost
 from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
@@ -190,6 +192,82 @@ def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_a
     assert plan == want, f"memory.py's plan {plan} is not memory_plan's for the same shape {want}"
     assert lines == [memory.format_plan(want)] and "largest batch in 0.001 GiB:  0" in lines[0], lines
     assert plan["target_weights"] == 2 * sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()), plan
+
+
+SMALL = dict(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
+SHAPE = ["--seq-len", "64", "--max-anchors", "8", "--batch-size", "2", "--block-size", "4", "--num-layers", "2",
+         "--conv-kernel-size", "2", "--selector-rank", "8", "--selector-top-k", "16"]  # flags both scripts take
+
+
+def planned(folder, monkeypatch, *flags):
+    """memory.py's plan of SHAPE and `flags` on the config in `folder`, after checking that train.py's
+    GPU check plans the same peak: it takes a GPU of exactly that many bytes and refuses one a byte
+    smaller (the device is faked: the check reads the target's config only)."""
+    argv = ["--target", str(folder), *SHAPE, *flags]
+    plan = memory.main(memory.parse_args(argv), lambda *a: None)
+
+    def refused(total_memory):
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device: type("Props", (), {"total_memory": total_memory})())
+        try:
+            train.check_memory(train.parse_args(argv), torch.device("cuda"))
+        except ValueError:
+            return True
+        return False
+    at, below = refused(plan["peak"]), refused(plan["peak"] - 1)
+    assert not at and below, f"{flags}: train.py's GPU check {'refuses' if at else 'takes'} a GPU of memory.py's " \
+        f"peak ({plan['peak']} bytes) and {'refuses' if below else 'takes'} one a byte smaller"
+    return plan
+
+
+def drafter_parameters(config, **flags):
+    """The parameters of a real drafter (not the plan's meta-device count) of SHAPE's size."""
+    c = drafter_config(config, mask_token_id=0, num_layers=2, block_size=4, conv_kernel_size=2,
+                       selector_rank=8, selector_top_k=16, **flags)
+    return sum(p.numel() for p in dflash2.DFlash2Drafter(c).parameters())
+
+
+def test_the_plan_holds_the_context_features_of_the_target_layer_ids_asked_for(tmp_path, monkeypatch):
+    """--target-layer-ids: with 3 ids rather than 1, each sequence holds two more (S, H) feature
+    slices in fp32 and the bf16 copy the fc reads under autocast, and the drafter the fc's wider
+    input (a real drafter's count); train.py's GPU check plans the same."""
+    config = qwen3_config(**SMALL)
+    config.save_pretrained(tmp_path)
+    one, three = (planned(tmp_path, monkeypatch, "--target-layer-ids", ids) for ids in ("1", "0,1,2"))
+    S, H = 64, SMALL["hidden"]
+    grown = three["activations_per_seq"] - one["activations_per_seq"]
+    assert grown == 2 * S * H * (4 + 2), f"two more target layers add {grown} bytes a sequence, want {2 * S * H * 6}"
+    for plan, ids in ((one, [1]), (three, [0, 1, 2])):
+        want = drafter_parameters(config, target_layer_ids=ids)
+        assert plan["drafter_params"] == want, f"layers {ids}: the plan counts {plan['drafter_params']} drafter " \
+            f"parameters, a real drafter has {want}"
+
+
+def test_the_plan_counts_the_factored_selectors_parameters(tmp_path, monkeypatch):
+    """--selector-codebooks factored: the plan's drafter parameters and their AdamW bytes are those
+    of a real factored drafter (W_A, W_B at H·R each instead of two V·R tables); train.py's GPU check
+    plans the same."""
+    config = qwen3_config(**SMALL)
+    config.save_pretrained(tmp_path)
+    plans = {books: planned(tmp_path, monkeypatch, "--selector-codebooks", books) for books in ("free", "factored")}
+    for books, plan in plans.items():
+        want = drafter_parameters(config, selector_codebooks=books)
+        assert (plan["drafter_params"], plan["drafter_states"]) == (want, 16 * want), \
+            f"{books} codebooks: the plan counts {plan['drafter_params']} drafter parameters " \
+            f"({plan['drafter_states']} bytes), a real drafter has {want} (16 bytes each)"
+    assert plans["free"]["drafter_params"] != plans["factored"]["drafter_params"], "the two selectors are one size"
+
+
+def test_loss_chunk_0_plans_the_whole_loss_at_once(tmp_path, monkeypatch):
+    """--loss-chunk 0 is valid for both scripts and plans what one chunk holding every slot plans
+    (batch · anchors · (B - 1) = 48 here); a smaller chunk plans less."""
+    qwen3_config(**SMALL).save_pretrained(tmp_path)
+    figures = lambda plan: {k: v for k, v in plan.items() if k != "shape"}
+    whole, every, part = (planned(tmp_path, monkeypatch, "--loss-chunk", n) for n in ("0", "48", "16"))
+    assert figures(whole) == figures(every), f"--loss-chunk 0 plans {figures(whole)}, one chunk of all 48 slots " \
+        f"{figures(every)}"
+    assert part["loss_chunk"] < whole["loss_chunk"], f"a 16-slot chunk plans {part['loss_chunk']} loss bytes, " \
+        f"the whole loss {whole['loss_chunk']}"
 
 
 @pytest.mark.parametrize("argv, message", [

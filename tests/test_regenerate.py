@@ -1,6 +1,7 @@
 """Tests of regenerate.py: on-policy answers are the target's own greedy (or seeded)
 continuations, resumable files, prompt-only rows. A tiny random target and a byte-level
 tokenizer built on the spot; no downloads, CPU only."""
+import itertools
 import json
 import math
 
@@ -159,6 +160,30 @@ def test_a_sampled_regenerate_file_repeats_itself_and_resumes_to_the_same_rows(t
     monkeypatch.setattr(regenerate, "regenerate_conversations", real)
     assert (tmp_path / "killed.jsonl").read_text().count("\n") == 3, "the killed run should have written one batch"
     assert run("killed.jsonl", 7) == straight, "the resumed sampled run differs from the uninterrupted one"
+
+
+def test_each_sampled_batch_draws_from_its_own_seed(target, tmp_path, monkeypatch):
+    """At T = 1 regenerate_file seeds every batch's generator apart: three batches of one same
+    prompt never repeat each other's answers, and each batch's rows are what
+    regenerate_conversations draws from the seed recorded for it, replayed on a fresh generator."""
+    model, tokenizer = target
+    chat = [{"role": "user", "content": "hi"}]
+    src = tmp_path / "in.jsonl"
+    src.write_text((json.dumps({"messages": chat}) + "\n") * 6)
+    opts = dict(temperature=1.0, max_new_tokens=8, batch_size=2)
+    real, seeds = regenerate.regenerate_conversations, []
+    monkeypatch.setattr(regenerate, "regenerate_conversations",
+                        lambda *a, **k: seeds.append(k["generator"].initial_seed()) or real(*a, **k))
+    regenerate.regenerate_file(model, tokenizer, str(src), str(tmp_path / "out.jsonl"), template_kwargs=None,
+                               log=lambda *a: None, seed=3, **opts)
+    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().split("\n")[:-1]]
+    batches = [rows[b:b + 2] for b in range(0, 6, 2)]
+    assert len(set(seeds)) == 3, f"the 3 batches drew from the seeds {seeds}"
+    assert all(a != b for a, b in itertools.combinations(batches, 2)), \
+        f"batches of the same prompt repeat each other's answers: {[[r[1]['content'] for r in b] for b in batches]}"
+    for b, (seed, written) in enumerate(zip(seeds, batches)):
+        replayed = real(model, tokenizer, [chat] * 2, generator=torch.Generator().manual_seed(seed), **opts)
+        assert replayed == written, f"batch {b}: wrote {written}, its recorded seed {seed} draws {replayed}"
 
 
 def test_regeneration_keeps_tool_calls_and_the_fields_it_does_not_replace(target, tmp_path):

@@ -350,12 +350,14 @@ def test_script_bad_input_exits_with_one_line(world, tmp_path):
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"train.py: {bad}: empty file"], run.stderr
 
 
-@pytest.mark.parametrize("change", ["steps", "seq-len", "target", "layers", "data"])
+@pytest.mark.parametrize("change", ["steps", "lr-floor", "seq-len", "target", "layers", "data"])
 def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
     shutil.copytree(reference_run["out"], tmp_path / "out")
     extra, match, data = ["--steps", "4", "--resume"], None, None
     if change == "steps":
         extra, match = ["--steps", "5", "--resume"], r"schedule: saved steps 4 != now 5"
+    elif change == "lr-floor":
+        extra, match = extra + ["--lr-floor", "0.1"], r"another run \(schedule: saved lr_floor 0\.0 != now 0\.1\)"
     elif change == "seq-len":
         extra, match = extra + ["--seq-len", "160"], r"seq_len: saved 192 != now 160"
     elif change == "layers":
@@ -632,6 +634,23 @@ def test_the_learning_rate_warms_up_then_follows_a_cosine_down_to_its_floor():
         assert all(a >= b >= floor * peak for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
     with pytest.raises(SystemExit):
         train.parse_args(["--lr-floor", "1.5"])
+
+
+def test_lr_floor_lifts_the_logged_schedule_onto_floor_times_peak(world, reference_run, tmp_path):
+    """--lr-floor f: after the warmup (the same ramp to the peak), the lr the run logs at every step
+    is the floor-free run's (the reference run, same steps) mapped from [0, peak] onto [f·peak, peak]:
+    where that cosine ends at 0, this one ends at f·peak."""
+    floor, peak = 0.5, train.parse_args([]).lr
+    logged = lambda out: {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                          if r["kind"] == "train"}
+    train.train(args_for(world, tmp_path / "out", "--steps", "4", "--lr-floor", str(floor), "--eval-new-tokens", "1"))
+    got, free = logged(tmp_path / "out"), logged(reference_run["out"])
+    top = min(s for s, lr in free.items() if math.isclose(lr, peak))  # the warmup's last step
+    want = {s: lr if s <= top else floor * peak + (1 - floor) * lr for s, lr in free.items()}
+    assert got.keys() == want.keys() and all(math.isclose(got[s], want[s], rel_tol=1e-12) for s in want), \
+        f"logged lr by step with --lr-floor {floor}: {got}; the floor-free run's lifted onto [{floor * peak:.2e}, " \
+        f"{peak:.2e}] after step {top}: {want}"
+    assert max(free) - top >= 2, f"the floor-free run decays over {max(free) - top} logged steps only: {free}"
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["formula", "compiled"])
