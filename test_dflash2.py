@@ -18,7 +18,7 @@ from dflash2 import (Batch, CandidateSelector, DFlash2Drafter, DraftCache, Local
                      block_attention_mask, block_layout, block_slots, context_features, default_gamma,
                      default_target_layer_ids, dflash2_loss, local_conv, sample_anchors, slot_sums, target_view)
 from metrics import dflash2_metrics, expected_acceptance_length
-from target import drafter_config, lm_head_rows
+from target import drafter_config
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
 MASK_ID = V - 1           # never drawn as a data token
@@ -1202,18 +1202,6 @@ def test_target_logits_are_lm_head_of_the_last_hidden_state(target, batch):
     got, want = target.lm_head(batch["hidden_states"][-1]), model_logits(target, batch)
     assert max_diff(got, want) < 1e-12, \
         f"lm_head(hidden_states[-1]) differs from the target's own logits by {max_diff(got, want):.3g}"
-
-
-@pytest.mark.parametrize("bias", [False, True])
-def test_lm_head_rows_is_the_product_read_in_vocabulary_slices(bias):
-    """A draft block's logits through lm_head_rows, over a vocabulary that 512 does not divide, against the
-    float64 product: every slice in its place, with its own bias."""
-    torch.manual_seed(0)
-    lm_head, x = torch.nn.Linear(24, 1300, bias=bias), torch.randn(7, 24)
-    got = lm_head_rows(lm_head, x)
-    want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
-    assert got.shape == (7, 1300) and max_diff(got, want) < 1e-5, \
-        f"lm_head_rows differs from the float64 product by {max_diff(got, want):.3g}"
 
 
 def loss_and_grads(drafter, target, batch, **kw):

@@ -475,3 +475,15 @@ def test_a_row_file_killed_mid_write_is_never_read_back(feature_target, tmp_path
     assert_served(make().features(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "restarted")
     assert_served(make().features(model, *right_padded(seqs), rows=[0, 1]), model, layer_ids, seqs, "read back")
     assert len(list(tmp_path.glob("row*.safetensors"))) == 2
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_lm_head_rows_is_the_product_read_in_vocabulary_slices(bias):
+    """A draft block's logits through lm_head_rows, over a vocabulary that 512 does not divide, against the
+    float64 product: every slice in its place, with its own bias."""
+    torch.manual_seed(0)
+    lm_head, x = torch.nn.Linear(24, 1300, bias=bias), torch.randn(7, 24)
+    got = target.lm_head_rows(lm_head, x)
+    want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
+    assert got.shape == (7, 1300) and float((got.double() - want).abs().max()) < 1e-5, \
+        f"lm_head_rows differs from the float64 product by {float((got.double() - want).abs().max()):.3g}"
