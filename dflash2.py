@@ -544,17 +544,19 @@ class Slots:
     prev: torch.Tensor
     counted: torch.Tensor
 
-def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums):
+def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     """The drafter over the batch's packed blocks, then the sums the §6 loss divides, over the counted slots,
     cfg.chunk_size slots at a time (each chunk's (n, V) logits recomputed in backward): unary, unary_weight
-    (Σ w), and with a selector selector, selector_weight. sums_fn: slot_sums, or it compiled.
+    (Σ w), and with a selector selector, selector_weight. sums_fn: slot_sums, or it compiled. forward: what runs
+    the drafter's forward (data parallel: its DistributedDataParallel wrapper); None: the drafter.
     -> ({name: sum}, Slots)."""
     cfg = cfg or LossConfig()
     c, (b, S), N = drafter.config, batch.input_ids.shape, batch.anchors.shape[1]
     ids, pos = block_layout(batch.input_ids, batch.anchors, c.block_size, c.mask_token_id)
     mask = block_attention_mask(batch.anchors, batch.attention_mask, c.block_size)
     dtype, ctx_pos = drafter.fc.weight.dtype, torch.arange(S, device=ids.device).expand(b, S)
-    h = drafter(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask).view(b, N, c.block_size, -1)
+    h = (forward or drafter)(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask)
+    h = h.view(b, N, c.block_size, -1)
     counted, src = block_slots(batch.anchors, batch.anchor_valid, batch.loss_mask, c.block_size)
     rows = torch.arange(b, device=ids.device)[:, None, None]
     slots = Slots(h[:, :, 1:], batch.g[rows, src], batch.input_ids[rows, src], counted)

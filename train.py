@@ -14,6 +14,7 @@ place in the data stream fixes its order and its anchor draws, so a resumed
 run repeats the uninterrupted one exactly.
 """
 import argparse
+import contextlib
 import math
 import os
 import shutil
@@ -24,6 +25,7 @@ import datasets
 import torch
 import torch.distributed as dist
 import transformers
+from torch.nn.parallel import DistributedDataParallel
 
 from dflash2 import (Batch, DFlash2Drafter, LossConfig, check_sampling, check_target_shape,
                      loss_from_sums, loss_sums, sample_anchors, slot_sums, spec_generate, target_view)
@@ -228,10 +230,10 @@ def loss_config(args, accept_at=None):
                       soft_labels_at=args.soft_labels_at, accept_at=accept_at, chunk_size=args.loss_chunk or None)
 
 
-def mean_over_ranks(*weights):
-    """The loss weights (Σw) of the whole global batch, per rank: dividing each rank's sums by
-    them makes the mean of the ranks' gradients that of the global batch's loss."""
-    total = torch.stack(weights)
+def mean_over_ranks(*values):
+    """The ranks' mean of each scalar, in one all_reduce. Of the loss weights (Σw): dividing each rank's
+    sums by them makes DistributedDataParallel's mean of the ranks' gradients the global batch's (ALGORITHM.md §6)."""
+    total = torch.stack(values)
     dist.all_reduce(total)
     return total / dist.get_world_size()
 
@@ -271,13 +273,14 @@ def below_float32(target):
                                                                                              torch.float16))
 
 
-def loss_step(drafter, view, target, batch, cfg, sums_fn=slot_sums, data_parallel=False):
-    """The DFlash2 loss of a step_inputs Batch. data_parallel: the loss weights are the global batch's
-    (mean_over_ranks). -> (loss, {loss, unary_loss, selector_loss} detached tensors, the Slots)."""
+def loss_step(drafter, view, target, batch, cfg, sums_fn=slot_sums, ddp=None):
+    """The DFlash2 loss of a step_inputs Batch. ddp: the drafter's DistributedDataParallel wrapper (data
+    parallel), which runs the forward; the loss weights are then the global batch's (mean_over_ranks).
+    -> (loss, {loss, unary_loss, selector_loss} detached tensors, the Slots)."""
     with below_float32(target):
-        sums, slots = loss_sums(drafter, view, batch, cfg, sums_fn)
+        sums, slots = loss_sums(drafter, view, batch, cfg, sums_fn, ddp)
     weights = None
-    if data_parallel:
+    if ddp is not None:
         weights = mean_over_ranks(sums["unary_weight"], sums.get("selector_weight", sums["unary_weight"]))
     return (*loss_from_sums(sums, cfg.alpha, weights), slots)
 
@@ -510,28 +513,6 @@ def data_stream(train_rows, seed, batch_size, grad_accum, world, rank, pad_token
     return micro_batch
 
 
-def average_over_ranks(params, step_loss, world):
-    """Data parallel: each gradient becomes the mean of the ranks' (the global batch's, with
-    loss_step's weights); -> the step's loss averaged the same way, for the log line."""
-    for p in params:
-        if p.grad is None:  # a part no counted slot of this rank reached
-            p.grad = torch.zeros_like(p)
-        dist.all_reduce(p.grad)
-        p.grad /= world
-    dist.all_reduce(step_loss)
-    return step_loss / world
-
-
-def check_replicas(params, world, log):
-    """Data parallel: the replicas must still be identical; compare per-tensor checksums across ranks."""
-    sums = torch.stack([p.detach().double().sum() for p in params])
-    every = [torch.zeros_like(sums) for _ in range(world)]
-    dist.all_gather(every, sums)
-    if any(not torch.equal(s, every[0]) for s in every):
-        raise RuntimeError("drafter replicas diverged across ranks")
-    log(f"replicas agree: parameter checksum {float(every[0].sum()):.12e} on {world} ranks")
-
-
 def step_line(step, total, loss, s, lr, tokens_per_second, eta):
     """A logged step's line; s: its stats (rank 0's micro-batches; "-": selector off), loss: all ranks'."""
     f = lambda k, spec: format(s[k], spec) if k in s else "-"
@@ -581,8 +562,10 @@ def train(args):
     params = list(drafter.parameters())
     optimizer = make_optimizer(params, args.lr)
     step = resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
-    for p in params if world > 1 else ():  # data parallel: every replica starts from rank 0's weights
-        dist.broadcast(p.data, 0)
+    # data parallel: DDP starts every replica from rank 0's weights and averages each gradient during the
+    # backward, the selector's too (its hooks sit on the parameters). The forward must go through it: one
+    # that does not leaves the gradients unreduced, silently, and the replicas drift apart
+    ddp = DistributedDataParallel(drafter) if world > 1 else None
     os.makedirs(args.out_dir, exist_ok=True)
     c, loss_cfg, sums_fn = drafter.config, loss_config(args), compiled_loss(device, log, args.compile)
     view = target_view(c, target)
@@ -602,13 +585,15 @@ def train(args):
         for micro in range(args.grad_accum):
             batch, row_ids, seeds = micro_batch(step, micro)
             inputs = step_inputs(target, batch, c.target_layer_ids, args.max_anchors, seeds, features, row_ids)
-            loss, terms, slots = loss_step(drafter, view, target, inputs, loss_cfg, sums_fn, world > 1)
-            (loss / args.grad_accum).backward()
+            last = micro + 1 == args.grad_accum  # DDP reduces once a step: the accumulated gradient, in this backward
+            with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
+                loss, terms, slots = loss_step(drafter, view, target, inputs, loss_cfg, sums_fn, ddp)
+                (loss / args.grad_accum).backward()
             micro_stats.append(step_stats(drafter, view, target, slots, loss_cfg, terms) if logged else terms)
             tokens += int(batch[1].sum()) * world
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
-        if world > 1:
-            step_loss = average_over_ranks(params, step_loss, world)
+        if world > 1:  # the log line's loss: the global batch's
+            step_loss = mean_over_ranks(step_loss)[0]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
         if not (torch.isfinite(step_loss) and torch.isfinite(grad_norm)):
             raise RuntimeError(f"step {step + 1}: loss {step_loss.item()} / gradient norm {grad_norm.item()} is not "
@@ -640,7 +625,6 @@ def train(args):
             plot_curves(args.out_dir)
 
     if world > 1:
-        check_replicas(params, world, log)
         dist.destroy_process_group()
     log(f"done in {time.time() - t_start:.0f}s: export {os.path.abspath(os.path.join(args.out_dir, 'checkpoint'))}")
     return {**summary, "step": step, "losses": losses, "out_dir": args.out_dir, "target": args.target}

@@ -220,16 +220,35 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
 
 
+KILLED_AT_STEP_3 = """
+import sys
+sys.path.insert(0, {root!r})
+import train
+lr_at = train.lr_at
+def dying(step, *a):  # every rank stops in step 3, before its update: a kill after step 2's checkpoint
+    if step == 2:
+        raise SystemExit("killed in step 3")
+    return lr_at(step, *a)
+train.lr_at = dying
+train.train(train.parse_args(sys.argv[1:]))
+"""
+
+
 def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference_run, tmp_path):
-    """DistributedDataParallel: 2 ranks x batch 1 make the same updates and log the same losses
-    as 1 rank x batch 2 (the reference run: the loss is normalised by the weights of the whole
-    global batch), and the replicas end identical."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(HERE, "train.py"), *flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1")]
+    """DistributedDataParallel: 2 ranks x batch 1, killed after step 2's checkpoint and resumed,
+    make the same updates and log the same losses as 1 rank x batch 2 (the reference run: the
+    loss is normalised by the weights of the whole global batch). The replicas' agreement:
+    test_the_data_parallel_gradient_is_the_whole_batchs."""
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_AT_STEP_3.format(root=HERE))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--save-every", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    killed = subprocess.run([*torchrun, str(script), *run_flags], capture_output=True, text=True, timeout=300, env=env)
+    assert killed.returncode != 0 and "killed in step 3" in killed.stderr, killed.stdout[-3000:] + killed.stderr[-3000:]
+    run = subprocess.run([*torchrun, os.path.join(HERE, "train.py"), *run_flags, "--resume"], capture_output=True,
+                         text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "replicas agree: parameter checksum" in run.stdout and "on 2 ranks" in run.stdout, run.stdout[-3000:]
     # Tolerances. Both runs do the same float32 arithmetic in another order (two rows in one
     # batch, or one per rank and an all-reduce), so their gradients agree to rounding only:
     # 2^-24 per operation, more where many terms nearly cancel. AdamW steps every entry by
@@ -697,32 +716,42 @@ import os, sys
 import torch
 sys.path.insert(0, {root!r})
 import train
-clip, grads = torch.nn.utils.clip_grad_norm_, []
+clip, make_optimizer, grads, made = torch.nn.utils.clip_grad_norm_, train.make_optimizer, [], []
 def recording(params, *a, **k):  # the gradients the update uses, after the ranks' reduction
     grads.append([p.grad.clone() for p in params])
     return clip(params, *a, **k)
 torch.nn.utils.clip_grad_norm_ = recording
+train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
 train.train(train.parse_args(sys.argv[1:]))
-if int(os.environ.get("RANK", 0)) == 0:
-    torch.save(grads, os.environ["GRADIENTS_OUT"])
+weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
+torch.save(dict(grads=grads, weights=weights), os.environ["RECORD_OUT"] + os.environ.get("RANK", "0"))
 """
 
 
 def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
-    """2 ranks x batch 1 reach the update with the gradient of 1 rank x batch 2, the same two rows:
-    the mean over ranks of each rank's gradient, itself normalised by the global batch's weights.
-    (AdamW and the gradient clip both hide the gradient's scale from the weights and the loss.)"""
+    """2 ranks x batch 1 reach the update with the gradient of 1 rank x batch 2, the same rows, over
+    two micro-steps (DDP reduces in the last one's backward only): the mean over ranks of each rank's
+    gradient, itself normalised by the global batch's weights. Both replicas hold that gradient and,
+    after the update, the same weights, bit for bit. (AdamW and the gradient clip both hide the
+    gradient's scale from the weights and the loss.)"""
     script = tmp_path / "record.py"
     script.write_text(GRADIENT_RECORDER.format(root=HERE))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
                                                             "--nproc_per_node=2"], "1")):
         cmd = [sys.executable, *launch, str(script), *flags(world, tmp_path / name, "--steps", "1", "--batch-size", batch,
-                                                            "--eval-prompts", "1", "--eval-new-tokens", "1")]
+                                                            "--grad-accum", "2", "--eval-prompts", "1",
+                                                            "--eval-new-tokens", "1")]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                             env={**env, "GRADIENTS_OUT": str(tmp_path / f"{name}.pt")})
+                             env={**env, "RECORD_OUT": str(tmp_path / f"{name}.pt")})
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    (one,), (two,) = torch.load(tmp_path / "one.pt"), torch.load(tmp_path / "two.pt")
+    one, two, other = (torch.load(tmp_path / f) for f in ("one.pt0", "two.pt0", "two.pt1"))
+    flat = lambda tensors: torch.cat([t.flatten() for t in tensors])
+    for what, got, want in (("gradients", flat(other["grads"][0]), flat(two["grads"][0])),
+                            ("weights after the update", flat(other["weights"]), flat(two["weights"]))):
+        assert torch.equal(got, want), f"the replicas' {what} differ: rank 1's are off rank 0's by up to " \
+            f"{(got - want).abs().max().item():.3g}"
+    (one,), (two,) = one["grads"], two["grads"]
     assert len(one) == len(two) and sum(bool(g.any()) for g in one) > len(one) / 2, "the runs' gradients are not " \
         "the same parameters', or mostly zero"
     for i, (g1, g2) in enumerate(zip(one, two)):  # float32, the rows summed in another order: ~1e-6 apart
