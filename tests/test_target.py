@@ -485,6 +485,6 @@ def test_lm_head_rows_is_the_product_read_in_vocabulary_slices(bias):
     lm_head, x = torch.nn.Linear(24, 1300, bias=bias), torch.randn(7, 24)
     with torch.no_grad():
         got = target.lm_head_rows(lm_head, x)
-    want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
+        want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
     assert got.shape == (7, 1300) and float((got.double() - want).abs().max()) < 1e-5, \
         f"lm_head_rows differs from the float64 product by {float((got.double() - want).abs().max()):.3g}"
