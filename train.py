@@ -148,10 +148,9 @@ def parse_args(argv=None):
                    help="blocks per sequence per step (paper: 512 per 3072-token row)")
     g.add_argument("--loss-chunk", type=at_least(0), default=1024, help="slots whose vocabulary-wide tensors live "
                    "at once, recomputed in backward (0: all at once); same loss and gradients")
-    g.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="the loss under torch.compile: "
-                   "auto compiles it on a GPU (with Triton) and runs the eager formula on a CPU, where compiling took "
-                   "minutes and measured no faster (bench/RESULTS.md); on: compile wherever a compiler exists; the "
-                   "same values either way")
+    g.add_argument("--compile", default="auto", choices=["auto", "off"], help="auto: the loss under torch.compile "
+                   "where the device has a compiler for it (once a run, on the first step); off: the eager formula; "
+                   "the same values either way")
     g = p.add_argument_group("optimization")
     g.add_argument("--lr", type=at_least(0, float), default=6e-4, help="peak AdamW learning rate")
     g.add_argument("--lr-floor", type=fraction, default=0.0,
@@ -248,22 +247,17 @@ def step_inputs(target, batch, layer_ids, max_anchors, seeds, features=None, row
     return Batch(ids, attn, loss_mask, f, g, *row_anchors(loss_mask, max_anchors, seeds))
 
 
-def compiled_loss(device, log, choice="on"):
-    """--compile -> dflash2.slot_sums under torch.compile (dynamic shapes) where this device has a compiler for
-    it (a C++ compiler for a CPU, Triton for a GPU) and the choice asks for it, else the eager formula, with one
-    line saying why: the same values either way."""
+def compiled_loss(device, log, choice="auto"):
+    """--compile -> dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count)
+    where this device has a compiler for it (a C++ compiler for a CPU, Triton for a GPU), else the eager
+    formula, with one line saying why: the same values either way."""
     from torch.utils._triton import has_triton
     missing = {"cpu": None if any(map(shutil.which, ("g++", "c++", "clang++"))) else "no C++ compiler on PATH",
                "cuda": None if has_triton() else "Triton is not installed"}.get(device.type, f"a {device.type} device")
-    if choice == "off":
-        why = "--compile off"
-    elif choice == "auto" and device.type == "cpu":
-        why = "--compile auto on a CPU, where compiling took minutes and measured no faster; --compile on to compile"
-    else:
-        why = missing and f"{missing}: torch.compile cannot build it here"
-    if why:
-        log(f"loss: the eager formula ({why})")
+    if choice == "off" or missing:
+        log(f"loss: the eager formula ({'--compile off' if choice == 'off' else missing})")
         return slot_sums
+    log("loss: the formula under torch.compile (compiled on the first step)")
     return torch.compile(slot_sums, dynamic=True)
 
 
