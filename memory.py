@@ -30,7 +30,7 @@ import torch
 
 import dflash2
 import target
-from target import load_config
+from target import load_config  # by name: the tests replace it
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes

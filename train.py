@@ -324,14 +324,14 @@ def evaluate(drafter, target, tokenizer, val, args, device, log):
     trained_in = target.dtype
     target.to(decoding_dtype(device, trained_in))  # and back below: bf16 -> float32 -> bf16 is exact
     gen, table = torch.Generator(device).manual_seed(args.seed), {}  # sampling happens on the device
+    decoding = decoding_view(drafter.config, target)
     for temperature in (0.0, 1.0):
         als, tps, texts, t0 = [], [], [], time.time()
         for i in range(min(args.eval_prompts, len(val))):
             ids, mask = val[i]["input_ids"], val[i]["loss_mask"]
             start = int(mask.nonzero()[0]) or len(ids) // 2  # prompt = all before the first answer token
             new, s = spec_generate(drafter, target, ids[None, :start].to(device), args.eval_new_tokens, temperature,
-                                   stop_token_ids=[tokenizer.eos_token_id], generator=gen,
-                                   view=decoding_view(drafter.config, target))
+                                   stop_token_ids=[tokenizer.eos_token_id], generator=gen, view=decoding)
             als.append(s.mean_acceptance_length)
             tps.append(s.tokens_per_second)
             texts.append(tokenizer.decode(new))
