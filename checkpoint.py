@@ -5,7 +5,13 @@ in the z-lab layout or in vllm-project speculators'), and for
 train.py the resume state, the identity a resumed run must share with the run it continues,
 and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary
 name and renamed into place. This file imports dflash2.py, never the other way round.
+
+As a script it writes an export for serving and prints the engines' commands for it:
+
+    python checkpoint.py --target Qwen/Qwen3-4B --out untrained --block-size 16   # before training: does it load?
+    python checkpoint.py --target Qwen/Qwen3-4B --from out/checkpoint --out spec --format speculators
 """
+import argparse
 import dataclasses
 import hashlib
 import json
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
+import target
 from target import rope_tables
 
 # -----------------------------------------------------------------------------
@@ -385,19 +392,18 @@ def serving_commands(target, export_path, block_size, export_format="z-lab"):
 # a training run's files
 
 
-def check_out_dir(out_dir):
-    """Fail before any work if --out-dir cannot be created or written."""
+def check_out_dir(out_dir, resuming=False):
+    """Fail before any work if --out-dir cannot be created or written, or (resuming) holds no resume.pt.
+    -> the path of its resume.pt."""
     p = Path(out_dir).absolute()
     while not p.exists():
         p = p.parent
     if not p.is_dir() or not os.access(p, os.W_OK | os.X_OK):
         raise ValueError(f"--out-dir {out_dir} is not writable ({p} is not a writable directory)")
-
-
-def weights_fingerprint(model):
-    """Cheap identity of a model's weights: float64 sums of its first and last tensors."""
-    params = list(model.parameters())
-    return [round(float(p.detach().double().sum()), 6) for p in (params[0], params[-1])]
+    resume_file = os.path.join(out_dir, "resume.pt")
+    if resuming and not os.path.isfile(resume_file):
+        raise ValueError(f"--resume: {resume_file} not found")
+    return resume_file
 
 
 def data_fingerprint(rows):
@@ -495,3 +501,78 @@ def save_checkpoint(drafter, optimizer, step, out_dir, export, meta):
     tmp = os.path.join(out_dir, f"resume.pt.tmp{os.getpid()}")
     torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step, **meta}, tmp)
     os.replace(tmp, os.path.join(out_dir, "resume.pt"))
+
+
+# -----------------------------------------------------------------------------
+# the export job: python checkpoint.py
+
+
+def served_target(target_name):
+    """The model engines serve a drafter's target from: --target, or for a GGUF file the original
+    model it was converted from, which only the user can name (ORIGINAL_MODEL)."""
+    return "ORIGINAL_MODEL" if target.is_gguf(target_name) else target_name
+
+
+def untrained_drafter(args, target_config):
+    """The drafter of the drafter flags on this target, untrained. Factored codebooks' tables need the target's
+    embedding, which is not read: they are written as free tables at their init, which score as the untrained
+    factored selector does (successor side 0: the unary logits)."""
+    fields = target.drafter_fields(args)
+    if "mask_token_id" not in fields:
+        fields["mask_token_id"], _ = target.choose_mask_token(target.load_tokenizer(args.target),
+                                                              target_config.get_text_config().vocab_size)
+    c = target.drafter_config(target_config, **{**fields, "selector_codebooks": "free"})
+    return dflash2.DFlash2Drafter(c, rope=rope_tables(c))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Write a drafter export for serving and print the engines' commands "
+                                "for it: --from a trained export (rewritten in --format, --dtype), or the untrained "
+                                "drafter of the drafter flags on --target, to check that an engine loads it before "
+                                "training (the target's config and tokenizer are read, never its weights).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the target the drafter serves")
+    p.add_argument("--out", help="the export folder to write")
+    p.add_argument("--from", dest="source", metavar="EXPORT", help="an export folder (train.py's OUT/checkpoint); "
+                   "unset: the untrained drafter of the drafter flags")
+    p.add_argument("--format", default="z-lab", choices=EXPORT_FORMATS, help="config.json's layout: z-lab's (vLLM, "
+                   "SGLang, the dflash package) or vllm-project speculators' (vLLM; it names --target as the verifier, "
+                   "so `vllm serve OUT` is enough); the same tensors (§7)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the tensors' dtype")
+    target.add_drafter_flags(p)
+    return p.parse_args(argv)
+
+
+def main(args, log=print):
+    """Write the export of args and log its serving commands -> its path."""
+    if not (args.target and args.out):
+        raise ValueError("needs --target (the model the drafter serves) and --out (the export folder to write)")
+    target_config = target.load_config(args.target)
+    text = target_config.get_text_config()
+    if args.source:
+        drafter = load_export(args.source, num_target_layers=text.num_hidden_layers)
+        dflash2.check_target_shape(drafter.config, text.num_hidden_layers, text.hidden_size, text.vocab_size)
+    else:
+        drafter = untrained_drafter(args, target_config)
+    path, served, B = os.path.abspath(args.out), served_target(args.target), drafter.config.block_size
+    save_export(drafter, path, getattr(torch, args.dtype), args.format, verifier={
+        "name_or_path": served, "architectures": list(getattr(target_config, "architectures", None) or [])})
+    if served != args.target:
+        where = ("the commands below" if args.format == "z-lab" else
+                 "the export's config.json (speculators_config.verifier.name_or_path)")
+        log(f"--target {args.target} is a GGUF file: in {where} put the hub id or folder of the model it was "
+            "converted from in place of ORIGINAL_MODEL (the export fits the same weights in any format)")
+    engines = ("one of" if args.format == "z-lab" else
+               "vLLM, which reads the target from it (SGLang and the dflash package read --format z-lab)")
+    log(f"{'untrained ' if not args.source else ''}export (B = {B}, {args.format} format) in {path}; serve it with "
+        f"{engines}:")
+    for command in serving_commands(served, path, B, args.format):
+        log(command)
+    return path
+
+
+if __name__ == "__main__":
+    try:
+        main(parse_args())
+    except ValueError as e:  # bad input: one line, no traceback
+        raise SystemExit(f"checkpoint.py: {e}") from None

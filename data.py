@@ -31,15 +31,52 @@ Decisions:
   other part is an error;
 - rows with fewer than 2 loss tokens after truncation are dropped, counted and printed.
 """
+import argparse
 import json
 import re
 import time
 from collections import Counter
+from functools import lru_cache
 from pathlib import Path
 
 import datasets
 import jinja2
 import torch
+
+from dflash2 import sample_anchors
+
+# -----------------------------------------------------------------------------
+# the flags of the target and its data, shared by train.py, regenerate.py and checkpoint.py
+
+
+def at_least(low, kind=int):
+    """argparse type: a number >= low, refused with the flag and value otherwise (NaN too)."""
+    def parse(text):
+        value = kind(text)
+        if not value >= low:
+            raise argparse.ArgumentTypeError(f"{text} must be >= {low}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def add_data_flags(p):
+    """--target, --data, --chat-template, --chat-template-kwargs, --dtype -> their argument group."""
+    g = p.add_argument_group("target and data")
+    g.add_argument("--target", help="HF model folder, hub id or .gguf file of the target; unset (train.py): the "
+                   "offline tiny Qwen3 trained on the stdlib, built and cached on first use")
+    g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet; rows hold "
+                   "'messages' or 'conversations' (role/content or from/value); unset (train.py): the offline "
+                   "world's conversations")
+    g.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
+    g.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
+                   "'{\"enable_thinking\": false}'")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's weights; below float32 the drafter's step also runs under bf16 autocast. auto: "
+                   "bfloat16 on a GPU or on a CPU with AMX or AVX512-BF16, else float32 (decoding one sequence on "
+                   "a CPU always uses float32, which is faster there)")
+    return g
+
 
 # -----------------------------------------------------------------------------
 # chat template options: --chat-template FILE, --chat-template-kwargs JSON
@@ -632,3 +669,47 @@ def collate(cols, pad_id, device):
     ids, attn = pad(cols["input_ids"], pad_id)
     loss_mask, _ = pad(cols["loss_mask"], 0)
     return ids.to(device), attn.to(device), loss_mask.to(device)
+
+
+# -----------------------------------------------------------------------------
+# the training data's order: validation rows, batches, anchor seeds
+
+
+def split_rows(dataset, val_size, data):
+    """-> (training rows, validation rows): the last val_size rows of --data validate."""
+    if len(dataset) <= val_size:
+        raise ValueError(f"--data {data}: {len(dataset)} usable rows, need more than --val-size {val_size}")
+    n_train = len(dataset) - val_size
+    return dataset.select(range(n_train)), dataset.select(range(n_train, len(dataset)))
+
+
+def anchor_seed(seed, place):
+    """The seed of the anchors of the row at `place` in the data stream (train.py's data order);
+    validation row i draws from -1 - anchor_seed(seed, i), never a training row's seed."""
+    return seed * 1_000_003 + place
+
+
+def row_anchors(loss_mask, max_anchors, seeds):
+    """sample_anchors row by row, each row from its own seed: a row draws the same anchors
+    whatever batch, rank or micro-step it lands in (resume and data parallel repeat them)."""
+    drawn = [sample_anchors(m[None], max_anchors, torch.Generator().manual_seed(s)) for m, s in zip(loss_mask, seeds)]
+    # each row's draw is sample_anchors' (1, N_i) with its padding; pad the rows to the longest the same way
+    return tuple(torch.nn.utils.rnn.pad_sequence([x[0] for x in part], batch_first=True) for part in zip(*drawn))
+
+
+def data_stream(train_rows, seed, batch_size, grad_accum, world, rank, pad_token_id, device):
+    """The data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its slice
+    of every global batch, so the step alone says where the data stands. -> micro_batch(step,
+    micro): the batch, its training rows' indices and their anchor seeds (from their places)."""
+    global_batch = batch_size * grad_accum * world
+
+    @lru_cache(maxsize=2)
+    def epoch_order(epoch):
+        return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+
+    def micro_batch(step, micro):
+        start = step * global_batch + (micro * world + rank) * batch_size
+        places = range(start, start + batch_size)
+        idx = [epoch_order(i // len(train_rows))[i % len(train_rows)] for i in places]
+        return collate(train_rows[idx], pad_token_id, device), idx, [anchor_seed(seed, i) for i in places]
+    return micro_batch

@@ -4,9 +4,10 @@ weight is loaded:
 
     python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
 
-prints it for train.py's shape flags (same names, same defaults) and --gpu-memory-gib (80).
-On a GPU, train.py refuses a batch the plan says does not fit in the device's total memory
-(torch.cuda.get_device_properties(device).total_memory), before the target loads.
+prints it for train.py's shape flags (declared once: the step's here, the drafter's in target.py)
+and --gpu-memory-gib (80). On a GPU, train.py plans for the device's total memory
+(torch.cuda.get_device_properties(device).total_memory) before the target loads: it recomputes
+each draft layer in backward when the batch fits only so, and refuses one that does not fit.
 
 Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one layer), where
   fixed        = target weights + the drafter's weights, grads and AdamW state (fp32
@@ -30,6 +31,7 @@ import torch
 
 import dflash2
 import target
+from data import at_least
 from target import load_config  # by name: the tests replace it
 
 GiB = 2 ** 30
@@ -40,6 +42,9 @@ DRAFTER_BYTES_PER_PARAM = 16
 # gradient with its input's; 6 fits the measured peaks. The compiled loss train.py runs where a
 # compiler exists fuses some of them away, so there the plan is an upper bound
 LOSS_TENSORS_PER_SLOT = 6
+# train.py's loss: the slots whose (n, V) tensors live at once, recomputed in backward (the same loss and gradients
+# as all at once; 1,024 slots of a 150k vocabulary take 3.6 GB at 6 tensors a slot)
+LOSS_CHUNK = 1024
 
 
 def drafter_config(target_config, **overrides):
@@ -78,7 +83,7 @@ def layer_bytes(c, amp):
     return block, key, ctx
 
 
-def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False,
+def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=LOSS_CHUNK, grad_checkpoint=False,
                 gpu_memory_gib=80.0, amp=True, target_bytes=2, **drafter_overrides):
     """Estimated peak bytes of one training step per GPU, split into parts; loss_chunk None
     is the unchunked loss. -> dict of bytes (ints) plus max_batch_size (0 if not even one
@@ -145,20 +150,39 @@ def check_fits(plan):
     s = plan["shape"]
     if plan["peak"] > s["gpu_memory_gib"] * GiB:
         hint = (f"--batch-size {plan['max_batch_size']} fits" if plan["max_batch_size"] else
-                "not even one sequence fits: try --grad-checkpoint, a smaller --loss-chunk, --max-anchors or --seq-len")
+                "not even one sequence fits: try a smaller --max-anchors or --seq-len")
         raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.3g} GiB per GPU, more than "
                          f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python memory.py prints the plan)")
 
 
-def run_plan(args, gpu_memory_gib):
-    """The plan of a run from its parsed flags (train.py's shape flags, which memory.py's
-    parser shares by name) and the target's config."""
-    layer_ids = {"target_layer_ids": args.target_layer_ids} if args.target_layer_ids else {}
-    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
-                       args.loss_chunk or None, args.grad_checkpoint, gpu_memory_gib, num_layers=args.num_layers,
-                       block_size=args.block_size, conv_kernel_size=args.conv_kernel_size,
-                       selector_rank=args.selector_rank, selector_top_k=args.selector_top_k,
-                       selector_codebooks=args.selector_codebooks, **layer_ids)
+def add_step_flags(p):
+    """The shape of a training step (train.py's, which memory.py plans for) -> their argument group."""
+    g = p.add_argument_group("the training step")
+    g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens "
+                   "(paper: 3072)")
+    g.add_argument("--max-anchors", type=at_least(1), default=16, help="blocks per sequence per step (paper: 512 "
+                   "per 3072-token row)")
+    g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
+    return g
+
+
+def run_plan(args, gpu_memory_gib, grad_checkpoint=False):
+    """The plan of a run from its parsed flags (the step's and the drafter's, shared with train.py) and the
+    target's config."""
+    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size, LOSS_CHUNK,
+                       grad_checkpoint, gpu_memory_gib, **target.drafter_fields(args))
+
+
+def fitting_plan(args, gpu_memory_gib, log=print):
+    """train.py on a GPU: -> whether to recompute each draft layer in backward, which it does only when the
+    batch fits no other way; a batch that does not fit even so is refused (check_fits)."""
+    plan = run_plan(args, gpu_memory_gib)
+    if plan["peak"] > gpu_memory_gib * GiB:
+        plan = run_plan(args, gpu_memory_gib, grad_checkpoint=True)
+        check_fits(plan)
+        log(f"recomputing each draft layer in backward: without, batch {args.batch_size} does not fit "
+            f"{gpu_memory_gib:.3g} GiB (python memory.py prints the plan)")
+    return plan["shape"]["grad_checkpoint"]
 
 
 def parse_args(argv=None):
@@ -167,22 +191,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--target", help="HF model folder, hub id or .gguf file of the frozen target (its config only)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the plan must fit")
-    g = p.add_argument_group("train.py's shape flags")
-    g.add_argument("--seq-len", type=int, default=512, help="tokens per row")
-    g.add_argument("--max-anchors", type=int, default=16, help="blocks per sequence per step")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per GPU per micro-step")
-    g.add_argument("--loss-chunk", type=int, default=1024, help="slots whose vocabulary-wide tensors live at once "
-                   "(0: all at once)")
-    g.add_argument("--grad-checkpoint", action="store_true", help="recompute each draft layer in backward")
-    g.add_argument("--num-layers", type=int, default=2, help="draft layers")
-    g.add_argument("--block-size", type=int, default=8, help="B: anchor + B-1 drafted tokens")
-    g.add_argument("--target-layer-ids", type=lambda s: [int(x) for x in s.split(",")],
-                   help="comma-separated target layers feeding the context; unset: the ALGORITHM.md §1 rule")
-    g.add_argument("--conv-kernel-size", type=int, default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--selector-rank", type=int, default=256, help="candidate selector rank R")
-    g.add_argument("--selector-top-k", type=int, default=16, help="selector candidates K (0 disables)")
-    g.add_argument("--selector-codebooks", default="free", choices=["free", "factored"], help="free or factored "
-                   "codebook tables (ALGORITHM.md §3)")
+    p.add_argument("--grad-checkpoint", action="store_true", help="plan for recomputing each draft layer in backward "
+                   "(train.py does so on its own when a batch fits no other way)")
+    add_step_flags(p)
+    target.add_drafter_flags(p)
     return p.parse_args(argv)
 
 
@@ -193,14 +205,7 @@ def main(args, log=print):
                          "or .gguf file); the offline demo's tiny target needs no plan")
     if not args.gpu_memory_gib > 0:  # also refuses NaN
         raise ValueError(f"--gpu-memory-gib {args.gpu_memory_gib} must be > 0")
-    for flag, value, low in (("--seq-len", args.seq_len, 2), ("--max-anchors", args.max_anchors, 1),
-                             ("--batch-size", args.batch_size, 1), ("--loss-chunk", args.loss_chunk, 0),
-                             ("--num-layers", args.num_layers, 1), ("--block-size", args.block_size, 2),
-                             ("--conv-kernel-size", args.conv_kernel_size, 0),
-                             ("--selector-rank", args.selector_rank, 1), ("--selector-top-k", args.selector_top_k, 0)):
-        if value < low:
-            raise ValueError(f"{flag} {value} must be >= {low}")
-    plan = run_plan(args, args.gpu_memory_gib)
+    plan = run_plan(args, args.gpu_memory_gib, args.grad_checkpoint)
     log(format_plan(plan))
     return plan
 

@@ -1,12 +1,15 @@
 """
 The §6 metrics of a training batch (ALGORITHM.md §6), from the drafter outputs the loss's own forward
 produced (dflash2.dflash2_loss's Slots): no second drafter pass. train.py logs them every logging step
-and at evaluation.
+and at evaluation, and at the end of a run decoding_eval measures real speculative decoding.
 """
+import time
+
 import torch
 import torch.nn.functional as F
 
 import dflash2
+from target import decoding_dtype, decoding_view
 
 
 def expected_acceptance_length(correct):
@@ -57,3 +60,29 @@ def dflash2_metrics(drafter, view, slots, cfg=None):
                  al_walk=mean_al(hit["walk"]), al_oracle=mean_al(hit["oracle"]),
                  accept_selector=overall(hit["accept_selector"]), mass_at_k=overall(hit["mass_at_k"]))
     return m
+
+
+@torch.no_grad()
+def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log=print):
+    """spec_generate on each prompt (1, P) at T = 0 and T = 1, the target in decoding_dtype (and back after: bf16 ->
+    float32 -> bf16 is exact), logged as a table. -> {T: (mean AL, mean tokens/s, the first output's text)}."""
+    trained_in, device = target.dtype, prompts[0].device
+    target.to(decoding_dtype(device, trained_in))
+    generator, view, table = torch.Generator(device).manual_seed(seed), decoding_view(drafter.config, target), {}
+    for temperature in (0.0, 1.0):
+        als, tps, texts, t0 = [], [], [], time.time()
+        for ids in prompts:
+            new, s = dflash2.spec_generate(drafter, target, ids, max_new_tokens, temperature, generator=generator,
+                                           stop_token_ids=[tokenizer.eos_token_id], view=view)
+            als.append(s.mean_acceptance_length)
+            tps.append(s.tokens_per_second)
+            texts.append(tokenizer.decode(new))
+        table[temperature] = (sum(als) / len(als), sum(tps) / len(tps), texts[0])
+        log(f"eval | spec_generate at T = {temperature}: {len(als)} prompts in {time.time() - t0:.0f}s, "
+            f"target in {str(target.dtype).removeprefix('torch.')}")
+    target.to(trained_in)
+    log(f"eval | spec_generate, {len(prompts)} held-out prompts, <= {max_new_tokens} new tokens")
+    log("eval |   temperature   mean AL   tokens/s   start of the first output")
+    for temperature, (al, tok_s, text) in table.items():
+        log(f"eval |   {temperature:>11.1f}   {al:>7.2f}   {tok_s:>8.1f}   {text[:40]!r}")
+    return table

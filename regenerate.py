@@ -27,7 +27,8 @@ from pathlib import Path
 import torch
 
 import dflash2
-from data import REASONING, located_conversations, parse_template_kwargs, read_conversations, render, template_facts
+from data import (REASONING, add_data_flags, located_conversations, parse_template_kwargs, read_conversations, render,
+                  template_facts)
 from target import load_target, load_tokenizer
 
 
@@ -196,9 +197,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description="Write --data with every assistant turn answered again by the target "
                                 "(on-policy data, ALGORITHM.md §6); a killed run started again resumes.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the target that answers")
-    p.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet of 'messages' or 'conversations' "
-                   "rows; a row may end with a user turn (a list of prompts)")
+    add_data_flags(p)  # --target answers; a row of --data may end with a user turn (a list of prompts)
     p.add_argument("--out", metavar="OUT.jsonl", help="the regenerated conversations, one {\"messages\": [...]} a line")
     p.add_argument("--data-split", default="train", help="split of a hub dataset")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
@@ -209,11 +208,6 @@ def parse_args(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=2048, help="longest answer, in tokens")
     p.add_argument("--batch-size", type=int, default=16, help="conversations per generate batch")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled answers (temperature > 0)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the target's weights (target.py's rule, as train.py's --dtype)")
-    p.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
-    p.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
-                   "'{\"enable_thinking\": false}'")
     return p.parse_args(argv)
 
 

@@ -15,6 +15,8 @@ the mask token the drafter's blocks are filled with (ALGORITHM.md §1); its feat
 A GGUF file is read by transformers itself (the `gguf` package), dequantized to the dtype
 asked for: the file's folder and name go to `from_pretrained(folder, gguf_file=name)`.
 """
+import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,7 +27,7 @@ import torch
 import transformers
 
 import dflash2
-from data import load_chat_template
+from data import at_least, load_chat_template
 
 
 def source(target):
@@ -131,6 +133,49 @@ def drafter_config(target_config, **overrides):
     c = dflash2.DFlash2Config(**{**shape, **dflash2.known_fields(overrides)})
     check_rope(c)
     return c
+
+
+# the flags of the drafter's shape, shared by train.py, memory.py and checkpoint.py; the rest of DFlash2Config
+# (its width and RoPE) comes from the target
+OWN_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "conv_kernel_size": "--conv-kernel-size",
+             "selector_top_k": "--selector-top-k"}
+
+
+def config_fields(text):
+    """argparse type of --drafter-config: a JSON object of other DFlash2Config fields."""
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(fields, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of DFlash2Config fields")
+    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(dflash2.DFlash2Config)})
+    own = [OWN_FLAGS[k] for k in fields if k in OWN_FLAGS]
+    if unknown or own:
+        why = (f"unknown DFlash2Config fields {unknown}" if unknown else
+               f"set {', '.join(own)} with {'its' if len(own) == 1 else 'their'} own flag")
+        raise argparse.ArgumentTypeError(f"{text}: {why}")
+    return fields
+
+
+def add_drafter_flags(p):
+    """The drafter's shape flags -> their argument group; drafter_fields reads them back."""
+    g = p.add_argument_group("drafter")
+    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
+    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
+    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
+    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables; both "
+                   "0: plain DFlash)")
+    g.add_argument("--drafter-config", type=config_fields, default={}, metavar="JSON", help="other DFlash2Config "
+                   "fields, e.g. '{\"selector_rank\": 128, \"selector_codebooks\": \"factored\", \"target_layer_ids\": "
+                   "[1, 9, 17], \"mask_token_id\": 151669, \"sliding_window\": 2048, \"layer_types\": "
+                   "[\"sliding_attention\", \"full_attention\"]}' (dflash2.py and ALGORITHM.md say what each does)")
+    return g
+
+
+def drafter_fields(args):
+    """The DFlash2Config fields the drafter flags set."""
+    return {**{k: getattr(args, k) for k in OWN_FLAGS}, **args.drafter_config}
 
 
 def text_config(target_config):
@@ -297,19 +342,15 @@ def check_target_view(c, target, ids):
 # the mask token
 
 
-def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
-    """The id whose embedding row fills a block's MASK slots: a row of the target's embedding
-    table that the data never holds (ALGORITHM.md §1). In order:
-    1. --mask-token-id, if given;
-    2. the tokenizer's mask token;
-    3. the lowest embedding row that no token uses (tables are often padded past the vocabulary);
-    4. the lowest-id added or special token that is not the bos, eos, pad or unk token and is
+def choose_mask_token(tokenizer, num_rows, used_ids=None):
+    """The id whose embedding row fills a block's MASK slots, unless the run names one (--drafter-config
+    '{"mask_token_id": ID}'): a row of the target's embedding table that the data never holds (ALGORITHM.md §1).
+    In order:
+    1. the tokenizer's mask token;
+    2. the lowest embedding row that no token uses (tables are often padded past the vocabulary);
+    3. the lowest-id added or special token that is not the bos, eos, pad or unk token and is
        not in `used_ids` (every id of the training rows: the template's own tokens are there).
     -> (id, how it was chosen). Refuses, naming the candidates, when nothing is left."""
-    if flag is not None:
-        if not 0 <= flag < num_rows:
-            raise ValueError(f"--mask-token-id {flag} is outside the target's embedding table [0, {num_rows})")
-        return flag, "--mask-token-id"
     if tokenizer.mask_token_id is not None and tokenizer.mask_token_id < num_rows:
         return tokenizer.mask_token_id, "the tokenizer's mask token"
     unused = sorted(set(range(num_rows)) - set(tokenizer.get_vocab().values()))
@@ -323,7 +364,8 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
         names = ", ".join(f"{i} {tokenizer.convert_ids_to_tokens(i)!r}" for i in added) or "none"
         raise ValueError(f"no free mask token: the tokenizer has no mask token, every embedding row is a token, and "
                          f"every added or special token is the bos/eos/pad/unk token or occurs in the training data "
-                         f"(candidates: {names}); pass --mask-token-id with an id the data never holds")
+                         f"(candidates: {names}); pass --drafter-config '{{\"mask_token_id\": ID}}' with an id the data "
+                         "never holds")
     return free[0], (f"{tokenizer.convert_ids_to_tokens(free[0])!r}, the lowest-id added token that is not "
                      "bos/eos/pad/unk" + (" and never occurs in the training rows" if used_ids is not None else ""))
 
@@ -333,6 +375,30 @@ def choose_mask_token(flag, tokenizer, num_rows, used_ids=None):
 
 
 @torch.no_grad()
+def mask_token(tokenizer, num_rows, rows, log=print):
+    """choose_mask_token, avoiding every id the training rows hold (rows: a Dataset of input_ids, marked in one
+    pass; None: not read), logged with how it was chosen."""
+    used = None
+    if rows is not None:
+        seen = torch.zeros(max(num_rows, len(tokenizer)), dtype=torch.bool)
+        for ids in rows["input_ids"]:
+            seen[ids] = True
+        used = seen.nonzero()[:, 0].tolist()
+    mask_id, why = choose_mask_token(tokenizer, num_rows, used)
+    log(f"mask token {mask_id}: {why}")
+    return mask_id
+
+
+# -----------------------------------------------------------------------------
+# the target's features, computed or cached
+
+
+def weights_fingerprint(model):
+    """Cheap identity of a model's weights: float64 sums of its first and last tensors."""
+    params = list(model.parameters())
+    return [round(float(p.detach().double().sum()), 6) for p in (params[0], params[-1])]
+
+
 def target_features(target, ids, attention_mask, layer_ids):
     """What the loss reads of the target for a batch (ALGORITHM.md §1, §6), from its decoder alone:
     -> context (b, S, nf·H), its hidden states at layer_ids concatenated (Hugging Face index l + 1),
@@ -421,3 +487,46 @@ class TargetFeatures:
             features[i, :n] = h
         H = features.shape[-1] // (len(self.layer_ids) + 1)
         return features[..., :-H], features[..., -H:]
+
+
+def feature_cache(choice, target, c, train_rows, rows_drawn, out_dir, log=print):
+    """--cache-target-features -> a TargetFeatures, or None (off), its size logged. auto: off when no row is
+    drawn twice (rows_drawn: the run's global batches × steps), in memory when the features fit in half the free
+    memory, else on disk in OUT/target_features; disk:FOLDER puts them there (runs on one target can share it)."""
+    size = sum(TargetFeatures.row_bytes(len(ids), len(c.target_layer_ids), c.hidden_size, target.dtype)
+               for ids in train_rows["input_ids"])
+    folder = choice.removeprefix("disk:") if choice.startswith("disk:") else os.path.join(out_dir, "target_features")
+    why = f"--cache-target-features {choice}"
+    if choice == "auto":
+        pages = os.sysconf("SC_AVPHYS_PAGES") if "SC_AVPHYS_PAGES" in os.sysconf_names else 0
+        free = pages * os.sysconf("SC_PAGE_SIZE") if pages else 0
+        choice = "off" if rows_drawn <= len(train_rows) else "memory" if size <= free / 2 else "disk"
+        why = ("no row is used twice" if choice == "off" else
+               f"{'within' if choice == 'memory' else 'over'} half of the {free / 2**30:.1f} GiB free")
+    if choice == "off":
+        log(f"target features: computed every step ({why}; a cache would take {size / 2**30:.2f} GiB)")
+        return None
+    folder = None if choice == "memory" else folder
+    key = {"target_weights": weights_fingerprint(target), "target_layer_ids": c.target_layer_ids,
+           "dtype": str(target.dtype).removeprefix("torch.")}
+    log(f"target features: cached {'in ' + folder if folder else 'in memory'}, {size / 2**30:.2f} GiB for "
+        f"{len(train_rows)} rows ({why})")
+    return TargetFeatures(key, c.target_layer_ids, folder)
+
+
+def load_checked_target(target, dtype_flag, c, first_row, device, log):
+    """The frozen target in the training dtype (logged, with why), checked against the drafter's
+    config c: its tables and the mask token, then its forward on the first training row's start."""
+    dtype, why = training_dtype(dtype_flag, device)
+    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
+        + f": {why}")
+    model = load_target(target, dtype_flag, device)
+    check_target_view(c, model, torch.as_tensor(first_row[:128])[None].to(device))
+    return model
+
+
+def feature_choice(text):
+    """argparse type of --cache-target-features."""
+    if text in ("auto", "off", "memory", "disk") or text.startswith("disk:") and len(text) > 5:
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r} is not auto, off, memory, disk or disk:FOLDER")

@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import transformers
 
 from regenerate import regenerate_conversations
@@ -33,6 +34,8 @@ CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
 SPECIALS = dict(pad_token="<|endoftext|>", eos_token="<|im_end|>", mask_token="<|mask|>",
                 additional_special_tokens=["<|im_start|>"])
 TINY_HELD_OUT = 256  # the last conversations: neither the tokenizer nor the target ever train on them
+CACHE_DIR = os.environ.get("DFLASH2_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "dflash2"))
+PRETRAIN_STEPS = 600  # train.py's tiny target (the cache is per value)
 
 
 def build_tiny_tokenizer(chat_template=CHATML):
@@ -192,3 +195,17 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
     except OSError:  # another process built it first: keep theirs
         shutil.rmtree(tmp)
     return str(target), str(data)
+
+
+def offline_world(target, data, world=1, rank=0, log=print):
+    """train.py's target and data -> (target, data), an unset one the tiny world's, built in CACHE_DIR (which the
+    DFLASH2_CACHE environment variable moves). Rank 0 builds it, the other ranks then read its cache."""
+    if target is not None and data is not None:
+        return target, data
+    if rank:
+        dist.barrier()
+    target_path, data_path = tiny_world(CACHE_DIR, PRETRAIN_STEPS, log)
+    if rank == 0 and world > 1:
+        dist.barrier()
+    log(f"offline world cached in {os.path.abspath(CACHE_DIR)}")
+    return target or target_path, data or data_path

@@ -34,6 +34,7 @@ import torch
 
 import checkpoint
 import dflash2
+import tiny_world
 from target import decoding_view
 from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
@@ -44,12 +45,12 @@ DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (
     "DFlash2": [],
     # the options of §6 for the selector's labels: the target's softmax, or its law at the write-up's setting
     "DFlash2 (soft labels)": ["--selector-labels", "soft"],
-    "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)": ["--selector-labels", "soft", "--soft-labels-at", "1,0.95,20"],
+    "DFlash2 (soft labels at T=1 top-p 0.95 top-k 20)": ["--selector-labels", "1,0.95,20"],
     # the option of §3: codebooks as projections of the target's embedding (no comma: --drafters splits on them)
-    "DFlash2 (factored codebooks)": ["--selector-codebooks", "factored"],
+    "DFlash2 (factored codebooks)": ["--drafter-config", '{"selector_codebooks": "factored"}'],
 }
 LABEL_OPTIONS = [name for name, flags in DRAFTERS.items() if "--selector-labels" in flags]
-CODEBOOK_OPTIONS = [name for name, flags in DRAFTERS.items() if "--selector-codebooks" in flags]
+CODEBOOK_OPTIONS = [name for name, flags in DRAFTERS.items() if any("selector_codebooks" in f for f in flags)]
 WRITE_UP = (1.0, 0.95, 20)  # the write-up's sampling setting, where the acceptance metrics are also measured
 ACCEPT_KEYS = ("accept_unary", "accept_selector", "mass_at_k")
 CHAT_CURVE = [(0.6, 0.95, 20), (0.7, 0.8, 20)]  # Qwen3's recommended chat settings (thinking / non-thinking)
@@ -96,7 +97,7 @@ def parse_args(argv=None):
     p.add_argument("--chat-curve", action="store_true", help="also decode at Qwen3's recommended chat settings: "
                    "T=0.6, top-p 0.95, top-k 20 and T=0.7, top-p 0.8, top-k 20")
     p.add_argument("--val-blocks", type=int, default=1024, help="validation blocks for the expected-AL metrics")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
+    p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="train.py's offline-world cache")
     return p.parse_args(argv)
 
@@ -191,18 +192,16 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
 
 def ablation(args, settings):
     import train  # the same training code path as `python train.py`
-    import tiny_world
     import transformers
     defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
-        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16", "--compile", "off"]
+        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256"]
     else:
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, train.TINY_PRETRAIN_STEPS)
+        target_path, data_path = tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS)
         base = ["--steps", str(args.steps)] if args.steps else []
     val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
-    base = ["--target", target_path, "--data", data_path, "--cache-dir", args.cache_dir, "--val-size", str(val_size),
-            "--export-dtype", "float32", "--eval-prompts", "1", "--eval-new-tokens", "8", *base,
+    base = ["--target", target_path, "--data", data_path, "--val-size", str(val_size), *base,
             *shlex.split(args.train_flags)]
     # the same held-out prompts for every drafter: the prompts of train.py's validation rows
     targs = train.parse_args(base)
@@ -247,7 +246,7 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
             resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
             run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume])
             t0 = time.time()
-            train.train(run_args)
+            train.train(run_args, decode_prompts=0)  # the bench decodes on its own prompts and settings
             train_seconds = time.time() - t0
             paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)

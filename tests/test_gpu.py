@@ -189,7 +189,9 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
 
 @CUDA
 @pytest.mark.parametrize("grad_checkpoint", [False, True])
-def test_train_takes_steps_on_cuda(tmp_path, capsys, grad_checkpoint):
+def test_train_takes_steps_on_cuda(tmp_path, capsys, monkeypatch, grad_checkpoint):
+    """Two steps of train.py on the GPU, plain and recomputing each draft layer (which train.py does when the
+    memory plan says only that fits; forced here)."""
     import tiny_world
     import train
     tokenizer = tiny_world.build_tiny_tokenizer()
@@ -204,9 +206,10 @@ def test_train_takes_steps_on_cuda(tmp_path, capsys, grad_checkpoint):
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--out-dir",
              str(tmp_path / "out"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6", "--val-size", "4",
-             "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8", "--log-every", "1",
-             "--steps", "2", *(["--grad-checkpoint"] if grad_checkpoint else [])]
-    summary = train.train(train.parse_args(flags))
+             "--drafter-config", '{"selector_rank": 8}', "--steps", "2"]
+    monkeypatch.setattr(train, "fitting_plan", lambda *a: grad_checkpoint)
+    monkeypatch.setattr(train, "EVAL_NEW_TOKENS", 8)
+    summary = train.train(train.parse_args(flags), decode_prompts=1)
     assert "1 rank(s) on cuda" in capsys.readouterr().out, "train.py did not run on the GPU"
     assert len(summary["losses"]) == 2 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, summary

@@ -4,6 +4,7 @@ table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots
 the flags the plan reads (memory.py's and train.py's GPU check alike), and bad input. Nothing
 here needs a GPU or downloads anything.
 """
+import json
 import os
 import re
 import subprocess
@@ -113,7 +114,7 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
     with pytest.raises(ValueError, match=rf"batch size {fits + 1} needs about [0-9.]+ GiB per GPU, more than "
                                          rf"the GPU's 80 GiB; --batch-size {fits} fits"):
         memory.check_fits(plan(batch_size=fits + 1))
-    with pytest.raises(ValueError, match="not even one sequence fits: try --grad-checkpoint"):
+    with pytest.raises(ValueError, match="not even one sequence fits: try a smaller --max-anchors or --seq-len"):
         memory.check_fits(plan(gpu_memory_gib=10))
     text = memory.format_plan(base)
     assert "target weights" in text and f"largest batch in 80 GiB:  {fits}" in text, text
@@ -196,27 +197,24 @@ def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_a
 
 SMALL = dict(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
 SHAPE = ["--seq-len", "64", "--max-anchors", "8", "--batch-size", "2", "--block-size", "4", "--num-layers", "2",
-         "--conv-kernel-size", "2", "--selector-rank", "8", "--selector-top-k", "16"]  # flags both scripts take
+         "--conv-kernel-size", "2", "--selector-top-k", "16"]  # flags both scripts take
 
 
-def planned(folder, monkeypatch, *flags):
-    """memory.py's plan of SHAPE and `flags` on the config in `folder`, after checking that train.py's
-    GPU check plans the same peak: it takes a GPU of exactly that many bytes and refuses one a byte
-    smaller (the device is faked: the check reads the target's config only)."""
-    argv = ["--target", str(folder), *SHAPE, *flags]
+def planned(folder, **config):
+    """memory.py's plan of SHAPE and the DFlash2Config fields `config` (selector_rank 8 unless set) on the config
+    in `folder`, after checking that train.py's GPU check plans the same peak: it trains plainly on a GPU of exactly
+    that many bytes, and not on one a byte smaller (the check reads the target's config only)."""
+    argv = ["--target", str(folder), *SHAPE, "--drafter-config", json.dumps({"selector_rank": 8, **config})]
     plan = memory.main(memory.parse_args(argv), lambda *a: None)
 
-    def refused(total_memory):
-        monkeypatch.setattr(torch.cuda, "get_device_properties",
-                            lambda device: type("Props", (), {"total_memory": total_memory})())
+    def plainly(total_memory):
         try:
-            train.check_memory(train.parse_args(argv), torch.device("cuda"))
+            return memory.fitting_plan(train.parse_args(argv), total_memory / memory.GiB, lambda *a: None) is False
         except ValueError:
-            return True
-        return False
-    at, below = refused(plan["peak"]), refused(plan["peak"] - 1)
-    assert not at and below, f"{flags}: train.py's GPU check {'refuses' if at else 'takes'} a GPU of memory.py's " \
-        f"peak ({plan['peak']} bytes) and {'refuses' if below else 'takes'} one a byte smaller"
+            return False
+    at, below = plainly(plan["peak"]), plainly(plan["peak"] - 1)
+    assert at and not below, f"{config}: train.py's GPU check {'trains' if at else 'does not train'} plainly on a " \
+        f"GPU of memory.py's peak ({plan['peak']} bytes) and {'does' if below else 'does not'} on one a byte smaller"
     return plan
 
 
@@ -227,13 +225,13 @@ def drafter_parameters(config, **flags):
     return sum(p.numel() for p in dflash2.DFlash2Drafter(c).parameters())
 
 
-def test_the_plan_holds_the_context_features_of_the_target_layer_ids_asked_for(tmp_path, monkeypatch):
-    """--target-layer-ids: with 3 ids rather than 1, each sequence holds two more (S, H) feature
+def test_the_plan_holds_the_context_features_of_the_target_layer_ids_asked_for(tmp_path):
+    """target_layer_ids: with 3 ids rather than 1, each sequence holds two more (S, H) feature
     slices in fp32 and the bf16 copy the fc reads under autocast, and the drafter the fc's wider
     input (a real drafter's count); train.py's GPU check plans the same."""
     config = qwen3_config(**SMALL)
     config.save_pretrained(tmp_path)
-    one, three = (planned(tmp_path, monkeypatch, "--target-layer-ids", ids) for ids in ("1", "0,1,2"))
+    one, three = (planned(tmp_path, target_layer_ids=ids) for ids in ([1], [0, 1, 2]))
     S, H = 64, SMALL["hidden"]
     grown = three["activations_per_seq"] - one["activations_per_seq"]
     assert grown == 2 * S * H * (4 + 2), f"two more target layers add {grown} bytes a sequence, want {2 * S * H * 6}"
@@ -243,13 +241,13 @@ def test_the_plan_holds_the_context_features_of_the_target_layer_ids_asked_for(t
             f"parameters, a real drafter has {want}"
 
 
-def test_the_plan_counts_the_factored_selectors_parameters(tmp_path, monkeypatch):
-    """--selector-codebooks factored: the plan's drafter parameters and their AdamW bytes are those
+def test_the_plan_counts_the_factored_selectors_parameters(tmp_path):
+    """Factored codebooks: the plan's drafter parameters and their AdamW bytes are those
     of a real factored drafter (W_A, W_B at H·R each instead of two V·R tables); train.py's GPU check
     plans the same."""
     config = qwen3_config(**SMALL)
     config.save_pretrained(tmp_path)
-    plans = {books: planned(tmp_path, monkeypatch, "--selector-codebooks", books) for books in ("free", "factored")}
+    plans = {books: planned(tmp_path, selector_codebooks=books) for books in ("free", "factored")}
     for books, plan in plans.items():
         want = drafter_parameters(config, selector_codebooks=books)
         assert (plan["drafter_params"], plan["drafter_states"]) == (want, 16 * want), \
@@ -258,13 +256,13 @@ def test_the_plan_counts_the_factored_selectors_parameters(tmp_path, monkeypatch
     assert plans["free"]["drafter_params"] != plans["factored"]["drafter_params"], "the two selectors are one size"
 
 
-def test_loss_chunk_0_plans_the_whole_loss_at_once(tmp_path, monkeypatch):
-    """--loss-chunk 0 is valid for both scripts and plans what one chunk holding every slot plans
+def test_an_unchunked_loss_plans_what_one_chunk_of_every_slot_plans():
+    """loss_chunk None (the whole loss at once) plans what one chunk holding every slot plans
     (batch · anchors · (B - 1) = 48 here); a smaller chunk plans less."""
-    qwen3_config(**SMALL).save_pretrained(tmp_path)
     figures = lambda plan: {k: v for k, v in plan.items() if k != "shape"}
-    whole, every, part = (planned(tmp_path, monkeypatch, "--loss-chunk", n) for n in ("0", "48", "16"))
-    assert figures(whole) == figures(every), f"--loss-chunk 0 plans {figures(whole)}, one chunk of all 48 slots " \
+    whole, every, part = (memory.memory_plan(qwen3_config(**SMALL), 64, 8, 2, n, block_size=4, selector_rank=8)
+                          for n in (None, 48, 16))
+    assert figures(whole) == figures(every), f"the unchunked loss plans {figures(whole)}, one chunk of all 48 slots " \
         f"{figures(every)}"
     assert part["loss_chunk"] < whole["loss_chunk"], f"a 16-slot chunk plans {part['loss_chunk']} loss bytes, " \
         f"the whole loss {whole['loss_chunk']}"
@@ -274,14 +272,21 @@ def test_loss_chunk_0_plans_the_whole_loss_at_once(tmp_path, monkeypatch):
     ([], "the memory plan reads the target's config: name one with --target"),
     (["--target", "t", "--gpu-memory-gib", "nan"], "--gpu-memory-gib nan must be > 0"),
     (["--target", "t", "--gpu-memory-gib", "0"], "--gpu-memory-gib 0.0 must be > 0"),
-    (["--target", "t", "--seq-len", "1"], "--seq-len 1 must be >= 2"),
-    (["--target", "t", "--max-anchors", "0"], "--max-anchors 0 must be >= 1"),
-    (["--target", "t", "--block-size", "1"], "--block-size 1 must be >= 2"),
 ])
 def test_memory_script_refuses_bad_flags_in_one_line_before_reading_the_config(argv, message, monkeypatch):
     monkeypatch.setattr(memory, "load_config", lambda target: pytest.fail(f"read the config of {target}"))
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         memory.main(memory.parse_args(argv), lambda *a: None)
+
+
+@pytest.mark.parametrize("flag, value, low", [("--seq-len", "1", 2), ("--max-anchors", "0", 1),
+                                              ("--block-size", "1", 2), ("--batch-size", "0", 1)])
+def test_the_shared_shape_flags_refuse_small_values_in_the_parser(flag, value, low, capsys):
+    """memory.py and train.py declare the shape flags once, with the same bounds."""
+    for parse in (memory.parse_args, train.parse_args):
+        with pytest.raises(SystemExit):
+            parse(["--target", "t", flag, value])
+        assert f"argument {flag}: {value} must be >= {low}" in capsys.readouterr().err, parse.__module__
 
 
 def test_memory_script_exits_with_one_line():

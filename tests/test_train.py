@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
 import dflash2
+import memory
 import regenerate as regenerate_module
 import target as target_module
 import tiny_world
@@ -50,13 +51,31 @@ def world(tmp_path_factory):
             "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
+SELECTOR_RANK_8 = '{"selector_rank": 8}'
+FACTORED = '{"selector_rank": 8, "selector_codebooks": "factored"}'
+
+
 def flags(world, out, *extra, data=None):
-    return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out),
-            "--cache-dir", str(world["root"] / "cache"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6",
-            "--val-size", "4", "--selector-rank", "8", "--eval-prompts", "1", "--eval-new-tokens", "8",
-            "--log-every", "1", "--dtype", "float32", "--compile", "off", *extra]
-    # float32: the same numbers on every CPU; --compile off: each process would compile the loss again, and the
-    # compiled loss is held to the formula once, in test_dflash2.py, and in train.py's step below
+    return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out), "--seq-len", "192",
+            "--batch-size", "2", "--max-anchors", "6", "--val-size", "4", "--drafter-config", SELECTOR_RANK_8,
+            "--dtype", "float32", *extra]
+    # float32: the same numbers on every CPU
+
+
+# what every run here sets beyond its flags: a log line (and a record line) every step, 8 new tokens per decoded
+# prompt, and the eager loss (each process would compile it again; the compiled loss is held to the formula in
+# test_dflash2.py and in train.py's step below). Scripts run by torchrun start with it too.
+QUICK = {"LOG_EVERY": 1, "EVAL_NEW_TOKENS": 8}
+QUICK_PRELUDE = "".join(f"train.{k} = {v!r}\n" for k, v in QUICK.items())
+
+
+@pytest.fixture(scope="module", autouse=True)
+def quick_runs():
+    with pytest.MonkeyPatch.context() as m:
+        for name, value in QUICK.items():
+            m.setattr(train, name, value)
+        m.setenv("TORCH_COMPILE_DISABLE", "1")
+        yield
 
 
 def args_for(world, out, *extra, data=None):
@@ -70,7 +89,7 @@ def reference_run(world, tmp_path_factory):
     -> its out dir, the summary train() returns, and what it printed."""
     out, printed = tmp_path_factory.mktemp("reference") / "out", io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = train.train(args_for(world, out, "--steps", "4", "--save-every", "2"))
+        summary = train.train(args_for(world, out, "--steps", "4", "--eval-every", "2"))
     return {"out": out, "summary": summary, "printed": printed.getvalue()}
 
 
@@ -83,8 +102,8 @@ def test_smoke_run_logs_records_and_exports_a_loadable_checkpoint(reference_run)
     printed = reference_run["printed"]
     assert "step     4/4 | loss " in printed and "temperature   mean AL" in printed, printed
     record = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [(r["kind"], r["step"]) for r in record] == [("train", 1), ("train", 2), ("train", 3), ("train", 4),
-                                                        ("eval", 4)], record
+    assert [(r["kind"], r["step"]) for r in record] == [("train", 1), ("train", 2), ("eval", 2), ("train", 3),
+                                                        ("train", 4), ("eval", 4)], record
     assert record[-1]["al_t0"] == summary["al_t0"] and len(record[0]["slot_acc"]) == 7, record[-1]
     assert (out / "curves.png").stat().st_size > 1000, "curves.png was not written"
 
@@ -114,9 +133,9 @@ def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, mo
 
     monkeypatch.setattr(train, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
-        train.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2"))
+        train.train(args_for(world, tmp_path / "b", "--steps", "4", "--eval-every", "2"))
     monkeypatch.setattr(train, "save_checkpoint", save)
-    resumed = train.train(args_for(world, tmp_path / "b", "--steps", "4", "--save-every", "2", "--resume"))["losses"]
+    resumed = train.train(args_for(world, tmp_path / "b", "--steps", "4", "--eval-every", "2", "--resume"))["losses"]
     assert list(resumed) == [3, 4], f"resumed run did steps {list(resumed)}, expected [3, 4]"
     assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
@@ -138,7 +157,7 @@ def test_each_epoch_draws_fresh_anchors_for_every_row(world, tmp_path, monkeypat
         return loss_step(drafter, view, target, batch, *rest, **kw)
 
     monkeypatch.setattr(train, "loss_step", recording)
-    train.train(args_for(world, tmp_path / "out", "--epochs", "2", "--val-size", "1", "--batch-size", "5", data=data))
+    train.train(args_for(world, tmp_path / "out", "--steps", "2", "--val-size", "1", "--batch-size", "5", data=data))
     epochs = [[row for row, _ in drawn[:5]], [row for row, _ in drawn[5:10]]]  # the evaluation's row comes after
     assert sorted(epochs[0]) == sorted(epochs[1]) and len(set(epochs[0])) == 5, "each epoch should see the 5 rows once"
     kept = [k for k in range(5) if epochs[0][k] == epochs[1][k]]
@@ -159,8 +178,14 @@ def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path
     assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
 
 
+def assert_bf16_table(table, want, side):
+    """An exported (bf16) codebook against its float64 value: within bf16's rounding, 2^-8 of its largest entry."""
+    off = (table - want).abs().max() / want.abs().max()
+    assert off <= 2 ** -8, f"{side}_codebook differs from E·W by {off:.3g} of its largest entry"
+
+
 def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, monkeypatch):
-    """--selector-codebooks factored: a run killed after its step-1 checkpoint resumes W_A and
+    """Factored codebooks: a run killed after its step-1 checkpoint resumes W_A and
     W_B from resume.pt and trains them on (they move); its export is an ordinary DFlash2
     checkpoint whose tables are E·W_Aᵀ and E·W_Bᵀ of the final weights, E the target's embedding."""
     save = train.save_checkpoint
@@ -169,8 +194,8 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
         save(*a, **k)
         raise KeyboardInterrupt
 
-    run = lambda *extra: train.train(args_for(world, tmp_path, "--steps", "2", "--save-every", "1",
-                                              "--selector-codebooks", "factored", "--export-dtype", "float32", *extra))
+    run = lambda *extra: train.train(args_for(world, tmp_path, "--steps", "2", "--eval-every", "1", "--drafter-config",
+                                              FACTORED, *extra))
     monkeypatch.setattr(train, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run()
@@ -185,21 +210,28 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
         W = last["model"][f"candidate_selector.{side}_projection.weight"]
         assert not torch.equal(W, first["model"][f"candidate_selector.{side}_projection.weight"]), f"W {side} froze"
         table, want = exported[f"candidate_selector.{side}_codebook"].double(), E @ W.double().T
-        assert (table - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(table - want).abs().max():.3g}"
+        assert_bf16_table(table, want, side)
 
 
-def test_speculators_dry_run_names_the_target_and_init_from_reads_it_back(world, tmp_path, capsys):
-    """--export-format speculators: config.json names --target as the verifier (vLLM serves the
-    folder alone), the dry run prints that command, and --init-from reads the export back."""
+def export_job(world, out, *extra):
+    """python checkpoint.py on the test target: its export in `out` -> what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        checkpoint.main(checkpoint.parse_args(["--target", world["target"], "--out", str(out), *extra]))
+    return printed.getvalue()
+
+
+def test_speculators_export_names_the_target_and_init_from_reads_it_back(world, tmp_path):
+    """checkpoint.py --format speculators: config.json names --target as the verifier (vLLM serves the
+    folder alone), the job prints that command, and --init-from reads the export back."""
     out = tmp_path / "dry"
-    train.train(args_for(world, out, "--num-layers", "1", "--export-format", "speculators", "--dry-run"))
-    config = json.loads((out / "checkpoint" / "config.json").read_text())
+    printed = export_job(world, out, "--num-layers", "1", "--format", "speculators")
+    config = json.loads((out / "config.json").read_text())
     verifier = config["speculators_config"]["verifier"]
     assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
         f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
-    printed = capsys.readouterr().out
-    assert f"vllm serve {(out / 'checkpoint').absolute()}\n" in printed, printed
-    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out / "checkpoint")))
+    assert f"vllm serve {out.absolute()}\n" in printed, printed
+    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out)))
     c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
     assert c.num_layers == 1, f"--init-from a speculators export trained {c}"
 
@@ -207,14 +239,14 @@ def test_speculators_dry_run_names_the_target_and_init_from_reads_it_back(world,
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = train.loss_from_sums, []
 
-    def nan_on_second_step(*a, **k):
+    def nan_on_second_step(*a, **k):  # the second training step's loss (the evaluations run without grad)
         loss, stats = real(*a, **k)
-        calls.append(1)
-        return (loss * float("nan") if len(calls) == 2 else loss), stats
+        calls.append(torch.is_grad_enabled())
+        return (loss * float("nan") if sum(calls) == 2 and calls[-1] else loss), stats
 
     monkeypatch.setattr(train, "loss_from_sums", nan_on_second_step)
     with pytest.raises(RuntimeError, match="not finite"):
-        train.train(args_for(world, tmp_path / "out", "--steps", "4", "--save-every", "1"))
+        train.train(args_for(world, tmp_path / "out", "--steps", "4", "--eval-every", "1"))
     state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)
     assert state["step"] == 1, f"last checkpoint is from step {state['step']}, expected 1 (before the NaN)"
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
@@ -224,7 +256,7 @@ KILLED_AT_STEP_3 = """
 import sys
 sys.path.insert(0, {root!r})
 import train
-lr_at = train.lr_at
+{quick}lr_at = train.lr_at
 def dying(step, *a):  # every rank stops in step 3, before its update: a kill after step 2's checkpoint
     if step == 2:
         raise SystemExit("killed in step 3")
@@ -234,19 +266,29 @@ train.train(train.parse_args(sys.argv[1:]))
 """
 
 
+RUN_TRAIN = """
+import sys
+sys.path.insert(0, {root!r})
+import train
+{quick}train.train(train.parse_args(sys.argv[1:]))
+"""
+
+
 def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference_run, tmp_path):
     """DistributedDataParallel: 2 ranks x batch 1, killed after step 2's checkpoint and resumed,
     make the same updates and log the same losses as 1 rank x batch 2 (the reference run: the
     loss is normalised by the weights of the whole global batch). The replicas' agreement:
     test_the_data_parallel_gradient_is_the_whole_batchs."""
     script = tmp_path / "killed.py"
-    script.write_text(KILLED_AT_STEP_3.format(root=HERE))
+    script.write_text(KILLED_AT_STEP_3.format(root=HERE, quick=QUICK_PRELUDE))
+    resumed = tmp_path / "resumed.py"  # train.py as a script, with QUICK's settings
+    resumed.write_text(RUN_TRAIN.format(root=HERE, quick=QUICK_PRELUDE))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--save-every", "2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--eval-every", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
     killed = subprocess.run([*torchrun, str(script), *run_flags], capture_output=True, text=True, timeout=300, env=env)
     assert killed.returncode != 0 and "killed in step 3" in killed.stderr, killed.stdout[-3000:] + killed.stderr[-3000:]
-    run = subprocess.run([*torchrun, os.path.join(HERE, "train.py"), *run_flags, "--resume"], capture_output=True,
+    run = subprocess.run([*torchrun, str(resumed), *run_flags, "--resume"], capture_output=True,
                          text=True, timeout=300, env=env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     # Tolerances. Both runs do the same float32 arithmetic in another order (two rows in one
@@ -285,9 +327,9 @@ def test_bad_input_is_refused_before_the_out_dir_is_created(world, tmp_path, cas
         data = write_jsonl(tmp_path / "u.jsonl", [{"messages": CONVERSATION[:1]}] * 8)
         match = "line 1: messages: no assistant turn"
     elif case == "mask id":
-        extra, match = ["--mask-token-id", "100000"], "outside the target's embedding table"
+        extra, match = ["--drafter-config", '{"mask_token_id": 100000}'], r"mask_token_id \(100000\)"
     elif case == "layer ids":
-        extra, match = ["--target-layer-ids", "1,9"], r"target_layer_ids \[9\] outside"
+        extra, match = ["--drafter-config", '{"target_layer_ids": [1, 9]}'], r"target_layer_ids \[9\] outside"
     elif case == "init width":
         extra = ["--init-from", other_width_checkpoint(tmp_path / "ckpt")]
         match = "hidden_size 32 but the target has 64"
@@ -336,29 +378,37 @@ def test_a_target_folder_that_is_not_a_model_is_named(world, tmp_path, no_target
                                       "--out-dir", str(tmp_path / "out")]))
 
 
-@pytest.mark.parametrize("flag", ["--grad-accum", "--log-every", "--eval-prompts", "--val-size", "--steps",
-                                  "--batch-size", "--max-anchors", "--eval-new-tokens"])
+@pytest.mark.parametrize("flag", ["--grad-accum", "--val-size", "--steps", "--batch-size", "--max-anchors",
+                                  "--num-layers"])
 def test_zero_counts_are_refused_by_the_parser(flag, capsys):
     with pytest.raises(SystemExit):
         train.parse_args([flag, "0"])
     assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--soft-labels-at", "1,0.95,20"], "--soft-labels-at 1.0,0.95,20 needs --selector-labels soft"),
-    (["--selector-labels", "soft", "--soft-labels-at", "0,0.95"], "'0,0.95' is not T[,top_p[,top_k]] with T > 0"),
-    (["--selector-labels", "soft", "--soft-labels-at", "1,1.5"], "'1,1.5' is not T[,top_p[,top_k]]"),
-    (["--selector-labels", "soft", "--soft-labels-at", "1,0.9,20,3"], "'1,0.9,20,3' is not T[,top_p[,top_k]]"),
-    (["--selector-labels", "soft", "--soft-labels-at", "1,0.9,x"], "'1,0.9,x' is not T[,top_p[,top_k]]")])
-def test_bad_soft_label_settings_are_refused_by_the_parser(argv, message, capsys):
+@pytest.mark.parametrize("value", ["0,0.95", "1,1.5", "1,0.9,20,3", "1,0.9,x", "hard"])
+def test_bad_selector_labels_are_refused_by_the_parser(value, capsys):
     with pytest.raises(SystemExit):
-        train.parse_args(argv)
+        train.parse_args(["--selector-labels", value])
+    assert f"{value!r} is not argmax, soft or T[,top_p[,top_k]] with T > 0" in capsys.readouterr().err
+
+
+def test_selector_label_settings_parse_with_the_filters_left_out():
+    for text, want in (("argmax", ("argmax", None)), ("soft", ("soft", None)), ("0.7", ("soft", (0.7, 1.0, 0))),
+                       ("1,0.95", ("soft", (1.0, 0.95, 0))), ("1,0.95,20", ("soft", (1.0, 0.95, 20)))):
+        assert train.parse_args(["--selector-labels", text]).selector_labels == want, text
+    cfg = train.loss_config(train.parse_args(["--selector-labels", "1,0.95,20"]))
+    assert (cfg.selector_labels, cfg.soft_labels_at) == ("soft", (1.0, 0.95, 20)), cfg
+
+
+@pytest.mark.parametrize("value, message", [
+    ("{nope", "'{nope' is not JSON"), ("[1]", "'[1]' is not a JSON object of DFlash2Config fields"),
+    ('{"selector_rnak": 8}', "unknown DFlash2Config fields ['selector_rnak']"),
+    ('{"num_layers": 3}', "set --num-layers with its own flag")])
+def test_bad_drafter_configs_are_refused_by_the_parser(value, message, capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--drafter-config", value])
     assert message in capsys.readouterr().err
-
-
-def test_soft_label_settings_parse_with_the_filters_left_out():
-    for text, want in (("0.7", (0.7, 1.0, 0)), ("1,0.95", (1.0, 0.95, 0)), ("1,0.95,20", (1.0, 0.95, 20))):
-        assert train.parse_args(["--selector-labels", "soft", "--soft-labels-at", text]).soft_labels_at == want, text
 
 
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
@@ -369,14 +419,14 @@ def test_script_bad_input_exits_with_one_line(world, tmp_path):
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"train.py: {bad}: empty file"], run.stderr
 
 
-@pytest.mark.parametrize("change", ["steps", "lr-floor", "seq-len", "target", "layers", "data"])
+@pytest.mark.parametrize("change", ["steps", "lr", "seq-len", "target", "layers", "data"])
 def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
     shutil.copytree(reference_run["out"], tmp_path / "out")
     extra, match, data = ["--steps", "4", "--resume"], None, None
     if change == "steps":
         extra, match = ["--steps", "5", "--resume"], r"schedule: saved steps 4 != now 5"
-    elif change == "lr-floor":
-        extra, match = extra + ["--lr-floor", "0.1"], r"another run \(schedule: saved lr_floor 0\.0 != now 0\.1\)"
+    elif change == "lr":
+        extra, match = extra + ["--lr", "0.001"], r"another run \(schedule: saved lr 0\.0006 != now 0\.001\)"
     elif change == "seq-len":
         extra, match = extra + ["--seq-len", "160"], r"seq_len: saved 192 != now 160"
     elif change == "layers":
@@ -391,7 +441,8 @@ def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
             model = AutoModelForCausalLM.from_pretrained(other)
             model.lm_head.weight.add_(1.0)
             model.save_pretrained(other)
-        args.target, match = other, "the target's weights differ"
+        args = args_for({**world, "target": other}, tmp_path / "out", *extra)
+        match = "the target's weights differ"
     with pytest.raises(ValueError, match=match):
         train.train(args)
 
@@ -485,32 +536,34 @@ def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkey
     assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
 
 
-def test_a_gpu_run_stops_a_batch_the_memory_plan_says_does_not_fit(world, monkeypatch):
-    """On a GPU, train.py's plan uses the device's own memory and stops a batch that does not fit
-    (the device properties are faked: the check needs only the target's config)."""
-    monkeypatch.setattr(train.torch.cuda, "get_device_properties",
-                        lambda device: type("Props", (), {"total_memory": 2 ** 20})())
-    args = train.parse_args(["--target", world["target"], "--batch-size", "3"])
+def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world):
+    """On a GPU, train.py plans its run for the device's memory (the target's config is enough): a batch that fits
+    trains plainly, one that fits only with each draft layer recomputed in backward recomputes (and says so), one
+    that fits neither way stops, naming the batch that fits."""
+    args = train.parse_args(["--target", world["target"], "--batch-size", "3", "--max-anchors", "64"])
+    plain, recomputed = (memory.run_plan(args, 80.0, recompute)["peak"] / memory.GiB for recompute in (False, True))
+    assert recomputed < plain, f"the plan's peak recomputing layers {recomputed} is not below the plain {plain}"
+    lines = []
+    assert memory.fitting_plan(args, plain * 1.001, lines.append) is False and not lines, lines
+    assert memory.fitting_plan(args, (plain + recomputed) / 2, lines.append) is True, "it did not recompute"
+    assert lines and lines[0].startswith("recomputing each draft layer in backward: without, batch 3"), lines
     with pytest.raises(ValueError, match=r"^batch size 3 needs about [0-9.]+ GiB per GPU, more than the GPU's "
-                                         r"0.000977 GiB; not even one sequence fits: try --grad-checkpoint"):
-        train.check_memory(args, torch.device("cuda"))
+                                         r"[0-9.e-]+ GiB; (--batch-size [12] fits|not even one sequence fits)"):
+        memory.fitting_plan(args, recomputed * 0.999)
 
 
-def test_dry_run_writes_the_untrained_export_and_the_serving_commands(world, tmp_path, no_target_load, capsys):
-    """--dry-run reads the target's config and tokenizer only (no weights, no data) and writes
+def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_target_load):
+    """checkpoint.py without --from reads the target's config and tokenizer only (no weights) and writes
     the export of the drafter shape the flags ask for, which loads back with that shape; it
     prints each engine's command with this export's path and block size (vLLM: B - 1)."""
     out = tmp_path / "dry"
-    train.train(train.parse_args(["--target", world["target"], "--data", str(tmp_path / "absent.jsonl"),
-                                  "--out-dir", str(out), "--block-size", "6", "--num-layers", "1", "--selector-rank", "8",
-                                  "--dry-run"]))
-    drafter = checkpoint.load_export(out / "checkpoint")
+    printed = export_job(world, out, "--block-size", "6", "--num-layers", "1", "--drafter-config", SELECTOR_RANK_8)
+    drafter = checkpoint.load_export(out)
     target = AutoConfig.from_pretrained(world["target"])
     c = drafter.config
     assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
         (6, 1, 8, target.hidden_size, target.num_hidden_layers), f"exported shape {c}"
-    printed = capsys.readouterr().out
-    path = str((out / "checkpoint").absolute())
+    path = str(out.absolute())
     for engine, count in (("vllm serve", '"num_speculative_tokens": 5'), ("sglang.launch_server",
                                                                          "--speculative-num-draft-tokens 6"),
                           ("dflash generate", "--draft")):
@@ -564,9 +617,10 @@ def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
     step's loss and gradients exactly; padding is zero-filled from the cache, masked either way."""
     args, batch, target, drafter = step_inputs(world)
     online = step(drafter, target, batch, args)
-    key = {"target_weights": checkpoint.weights_fingerprint(target), "target_layer_ids": drafter.config.target_layer_ids,
+    key = {"target_weights": target_module.weights_fingerprint(target),
+           "target_layer_ids": drafter.config.target_layer_ids,
            "dtype": "float32"}
-    make = lambda folder=None: train.TargetFeatures(key, drafter.config.target_layer_ids, folder)
+    make = lambda folder=None: target_module.TargetFeatures(key, drafter.config.target_layer_ids, folder)
     calls, forward = [], target.base_model.forward
     target.base_model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
     for cache in (make(), make(tmp_path / "features")):
@@ -589,7 +643,7 @@ def test_the_target_pass_gives_the_whole_models_hidden_states_and_never_runs_lm_
     want = target(input_ids=ids, attention_mask=attn, output_hidden_states=True).hidden_states
     heads, forward = [], target.lm_head.forward
     target.lm_head.forward = lambda *a, **k: heads.append(1) or forward(*a, **k)
-    context, last = train.target_features(target, ids, attn, layer_ids)
+    context, last = target_module.target_features(target, ids, attn, layer_ids)
     del target.lm_head.forward
     assert torch.equal(context, torch.cat([want[l + 1] for l in layer_ids], -1)), "the context differs"
     assert torch.equal(last, want[-1]), "the last hidden state differs from the whole model's"
@@ -600,12 +654,12 @@ def test_a_cache_of_another_target_or_other_rows_is_refused(world, tmp_path):
     args, batch, target, drafter = step_inputs(world)
     ids = drafter.config.target_layer_ids
     key = {"target_weights": [1.0, 2.0], "target_layer_ids": ids, "dtype": "float32"}
-    cache = train.TargetFeatures(key, ids, tmp_path)
+    cache = target_module.TargetFeatures(key, ids, tmp_path)
     cache.features(target, *batch[:2], rows=[0, 1, 2])
     with pytest.raises(ValueError, match=r"holds the features of .*'dtype': 'float32'.*, not of this run's .*bfloat16"):
-        train.TargetFeatures({**key, "dtype": "bfloat16"}, ids, tmp_path)
+        target_module.TargetFeatures({**key, "dtype": "bfloat16"}, ids, tmp_path)
     for folder in (tmp_path, None):
-        cache = train.TargetFeatures(key, ids, folder)
+        cache = target_module.TargetFeatures(key, ids, folder)
         cache.features(target, *batch[:2], rows=[0, 1, 2])
         with pytest.raises(ValueError, match="training row 2 holds other tokens than the ones its cached features"):
             cache.features(target, *batch[:2], rows=[0, 2, 1])
@@ -615,8 +669,8 @@ def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path)
     """--cache-target-features disk over two epochs: one file per training row, and every step's
     loss the uncached run's (epoch 2's to float rounding: a cached row was computed in another
     batch, whose padding changes the products' shapes)."""
-    run = lambda out, choice: train.train(args_for(world, tmp_path / out, "--epochs", "2", "--cache-target-features",
-                                                   choice))["losses"]
+    run = lambda out, choice: train.train(args_for(world, tmp_path / out, "--steps", "20", "--cache-target-features",
+                                                   choice))["losses"]  # 20 training rows, 2 a step: 2 epochs
     off, disk = run("off", "off"), run("disk", "disk")
     files = list((tmp_path / "disk" / "target_features").glob("row*.safetensors"))
     assert len(files) == 20, f"{len(files)} feature files for 20 training rows"
@@ -625,12 +679,12 @@ def test_a_run_with_the_cache_on_disk_trains_as_the_run_without(world, tmp_path)
 
 
 def test_runs_with_one_features_dir_share_it(world, tmp_path, monkeypatch):
-    """--features-dir: a second run (another drafter, another seed) on the same target, layers and
+    """--cache-target-features disk:FOLDER: a second run (another drafter, another seed) on the same target, layers and
     data reads every row from the first run's folder, without a target pass, and trains as it
     would with no cache (to float rounding)."""
-    shared = ["--epochs", "1", "--cache-target-features", "disk", "--features-dir", str(tmp_path / "shared")]
+    shared = ["--steps", "10", "--cache-target-features", f"disk:{tmp_path / 'shared'}"]  # an epoch
     train.train(args_for(world, tmp_path / "first", *shared))
-    off = train.train(args_for(world, tmp_path / "off", "--epochs", "1", "--seed", "3", "--conv-kernel-size", "0",
+    off = train.train(args_for(world, tmp_path / "off", "--steps", "10", "--seed", "3", "--conv-kernel-size", "0",
                                "--cache-target-features", "off"))["losses"]
 
     def no_target_pass(*a, **k):
@@ -651,25 +705,24 @@ def test_the_learning_rate_warms_up_then_follows_a_cosine_down_to_its_floor():
         assert lrs[0] == peak / warmup and lrs[warmup - 1] == lrs[warmup] == peak
         assert abs(lrs[60] - (peak + floor * peak) / 2) < 1e-12 and abs(lrs[total] - floor * peak) < 1e-12
         assert all(a >= b >= floor * peak for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
-    with pytest.raises(SystemExit):
-        train.parse_args(["--lr-floor", "1.5"])
 
 
-def test_lr_floor_lifts_the_logged_schedule_onto_floor_times_peak(world, reference_run, tmp_path):
-    """--lr-floor f: after the warmup (the same ramp to the peak), the lr the run logs at every step
-    is the floor-free run's (the reference run, same steps) mapped from [0, peak] onto [f·peak, peak]:
-    where that cosine ends at 0, this one ends at f·peak."""
-    floor, peak = 0.5, train.parse_args([]).lr
+def test_lr_floor_lifts_the_logged_schedule_onto_floor_times_peak(world, reference_run, tmp_path, monkeypatch):
+    """LR_FLOOR f: after the warmup (the same ramp to the peak), the lr a run logs at every step is the
+    reference run's (same steps, floor f0) mapped from [f0·peak, peak] onto [f·peak, peak]."""
+    floor, base, peak = 0.5, train.LR_FLOOR, train.parse_args([]).lr
     logged = lambda out: {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                           if r["kind"] == "train"}
-    train.train(args_for(world, tmp_path / "out", "--steps", "4", "--lr-floor", str(floor), "--eval-new-tokens", "1"))
-    got, free = logged(tmp_path / "out"), logged(reference_run["out"])
-    top = min(s for s, lr in free.items() if math.isclose(lr, peak))  # the warmup's last step
-    want = {s: lr if s <= top else floor * peak + (1 - floor) * lr for s, lr in free.items()}
+    monkeypatch.setattr(train, "LR_FLOOR", floor)
+    train.train(args_for(world, tmp_path / "out", "--steps", "4"))
+    got, ref = logged(tmp_path / "out"), logged(reference_run["out"])
+    top = min(s for s, lr in ref.items() if math.isclose(lr, peak))  # the warmup's last step
+    cosine = {s: (lr - base * peak) / (1 - base) for s, lr in ref.items()}  # the floor-free run's lr
+    want = {s: lr if s <= top else floor * peak + (1 - floor) * cosine[s] for s, lr in ref.items()}
     assert got.keys() == want.keys() and all(math.isclose(got[s], want[s], rel_tol=1e-12) for s in want), \
-        f"logged lr by step with --lr-floor {floor}: {got}; the floor-free run's lifted onto [{floor * peak:.2e}, " \
+        f"logged lr by step with LR_FLOOR {floor}: {got}; the reference run's moved onto [{floor * peak:.2e}, " \
         f"{peak:.2e}] after step {top}: {want}"
-    assert max(free) - top >= 2, f"the floor-free run decays over {max(free) - top} logged steps only: {free}"
+    assert max(ref) - top >= 2, f"the reference run decays over {max(ref) - top} logged steps only: {ref}"
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["formula", "compiled"])
@@ -699,14 +752,14 @@ def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
     spec_generate (one token at a time, bound by reading the weights) runs it in float32; the
     target is bf16 again afterwards."""
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    target = train.load_target(world["target"], "auto", torch.device("cpu"))
+    target = target_module.load_target(world["target"], "auto", torch.device("cpu"))
     assert target.dtype == torch.bfloat16, f"auto on an AMX CPU loaded the target in {target.dtype}"
     args, _, _, drafter = step_inputs(world)
     tokenizer = train.load_tokenizer(world["target"])
     val = train.load_rows(world["data"], "train", tokenizer, args.seq_len).select(range(2))
-    real, seen = train.spec_generate, []
-    monkeypatch.setattr(train, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
-    train.evaluate(drafter.float(), target, tokenizer, val, args, torch.device("cpu"), lambda *a: None)
+    real, seen = dflash2.spec_generate, []
+    monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
+    train.evaluate(drafter.float(), target, tokenizer, val, args, lambda *a: None, prompts=2)
     assert seen and set(seen) == {torch.float32}, f"the eval decoded with the target in {set(seen)}"
     assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
 
@@ -722,7 +775,7 @@ def recording(params, *a, **k):  # the gradients the update uses, after the rank
     return clip(params, *a, **k)
 torch.nn.utils.clip_grad_norm_ = recording
 train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
-train.train(train.parse_args(sys.argv[1:]))
+{quick}train.train(train.parse_args(sys.argv[1:]), decode_prompts=0)
 weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
 torch.save(dict(grads=grads, weights=weights), os.environ["RECORD_OUT"] + os.environ.get("RANK", "0"))
 """
@@ -735,13 +788,12 @@ def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
     after the update, the same weights, bit for bit. (AdamW and the gradient clip both hide the
     gradient's scale from the weights and the loss.)"""
     script = tmp_path / "record.py"
-    script.write_text(GRADIENT_RECORDER.format(root=HERE))
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    script.write_text(GRADIENT_RECORDER.format(root=HERE, quick=QUICK_PRELUDE))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
     for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
                                                             "--nproc_per_node=2"], "1")):
         cmd = [sys.executable, *launch, str(script), *flags(world, tmp_path / name, "--steps", "1", "--batch-size", batch,
-                                                            "--grad-accum", "2", "--eval-prompts", "1",
-                                                            "--eval-new-tokens", "1")]
+                                                            "--grad-accum", "2")]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                              env={**env, "RECORD_OUT": str(tmp_path / f"{name}.pt")})
         assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -768,8 +820,8 @@ def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world
                tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id,
                eos_token_id=tokenizer.eos_token_id).save_pretrained(untied)
     tokenizer.save_pretrained(untied)
-    train.train(args_for({**world, "target": str(untied)}, tmp_path / "out", "--steps", "1", "--selector-codebooks",
-                         "factored", "--export-dtype", "float32"))
+    train.train(args_for({**world, "target": str(untied)}, tmp_path / "out", "--steps", "1", "--drafter-config",
+                         FACTORED))
     model = AutoModelForCausalLM.from_pretrained(untied)
     E, head = (m.weight.detach().double() for m in (model.get_input_embeddings(), model.get_output_embeddings()))
     assert (E - head).abs().max() > 0.01, "the test target's lm_head is its embedding: it could not tell them apart"
@@ -778,36 +830,35 @@ def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world
     for side in ("predecessor", "successor"):
         table, want = exported[f"candidate_selector.{side}_codebook"].double(), \
             E @ state[f"candidate_selector.{side}_projection.weight"].double().T
-        assert (table - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(table - want).abs().max():.3g}"
+        assert_bf16_table(table, want, side)
 
 
-def test_a_factored_dry_run_writes_a_loadable_export(world, tmp_path, no_target_load):
-    """--dry-run with factored codebooks: no target weights to build the tables from, so the export
+def test_an_untrained_factored_export_is_loadable(world, tmp_path, no_target_load):
+    """The untrained export with factored codebooks: no target weights to build the tables from, so it
     holds free tables at their init (a zero successor codebook: the untrained selector's scores)."""
     out = tmp_path / "dry"
-    train.train(args_for(world, out, "--num-layers", "1", "--selector-codebooks", "factored", "--dry-run"))
-    drafter = checkpoint.load_export(out / "checkpoint")
+    export_job(world, out, "--num-layers", "1", "--drafter-config", FACTORED)
+    drafter = checkpoint.load_export(out)
     c, target = drafter.config, AutoConfig.from_pretrained(world["target"])
     assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
     successor = drafter.state_dict()["candidate_selector.successor_codebook"]
     assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
 
 
-def test_a_sliding_window_dry_run_exports_the_layer_types_asked_for(world, tmp_path, no_target_load):
-    out = tmp_path / "dry"
-    train.train(args_for(world, out, "--num-layers", "3", "--sliding-window", "64", "--full-attention-layers", "1",
-                         "--dry-run"))
-    c = checkpoint.load_export(out / "checkpoint").config
-    assert (c.layer_types, c.sliding_window) == (["sliding_attention", "full_attention", "sliding_attention"], 64), c
-    with pytest.raises(ValueError, match=r"--full-attention-layers \[3\] outside the draft layers \[0, 3\)"):
-        train.train(args_for(world, tmp_path / "bad", "--num-layers", "3", "--sliding-window", "64",
-                             "--full-attention-layers", "3", "--dry-run"))
+def test_a_sliding_window_export_has_the_layer_types_asked_for(world, tmp_path, no_target_load):
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    window = json.dumps({"sliding_window": 64, "layer_types": layer_types})
+    export_job(world, tmp_path / "dry", "--num-layers", "3", "--drafter-config", window)
+    c = checkpoint.load_export(tmp_path / "dry").config
+    assert (c.layer_types, c.sliding_window) == (layer_types, 64), c
+    with pytest.raises(ValueError, match=r"layer_types has 3 entries for num_layers = 2"):
+        export_job(world, tmp_path / "bad", "--num-layers", "2", "--drafter-config", window)
 
 
 def test_training_stops_on_a_target_whose_forward_the_drafter_does_not_follow(world, tmp_path, monkeypatch):
     """The first-batch check: a target whose logits are scaled behind the drafter's back stops the
     run with one line naming its family, before any step."""
-    load = train.load_target
+    load = target_module.load_target
 
     def scaled(*args, **kwargs):
         model = load(*args, **kwargs)
@@ -819,7 +870,7 @@ def test_training_stops_on_a_target_whose_forward_the_drafter_does_not_follow(wo
             return out
         model.forward = forward_scaled
         return model
-    monkeypatch.setattr(train, "load_target", scaled)
+    monkeypatch.setattr(target_module, "load_target", scaled)
     with pytest.raises(ValueError, match=r"the 'qwen3' target's logits differ from what the drafter computes"):
         train.train(args_for(world, tmp_path / "out", "--steps", "1"))
 
