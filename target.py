@@ -15,6 +15,7 @@ the mask token the drafter's blocks are filled with (ALGORITHM.md §1); its feat
 A GGUF file is read by transformers itself (the `gguf` package), dequantized to the dtype
 asked for: the file's folder and name go to `from_pretrained(folder, gguf_file=name)`.
 """
+import dataclasses
 import hashlib
 import json
 import os
@@ -128,9 +129,16 @@ def drafter_config(target_config, **overrides):
                  num_target_layers=L, target_layer_ids=dflash2.default_target_layer_ids(L),
                  rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
                  **config_rope(tc), **config_transforms(tc))
-    c = dflash2.DFlash2Config(**{**shape, **dflash2.known_fields(overrides)})
+    c = dflash2.DFlash2Config(**{**shape, **known_fields(overrides)})
     check_rope(c)
     return c
+
+
+def known_fields(overrides):
+    """overrides, once every key is a DFlash2Config field."""
+    unknown = sorted(set(overrides) - {f.name for f in dataclasses.fields(dflash2.DFlash2Config)})
+    dflash2.require(not unknown, f"unknown DFlash2Config fields {unknown}")
+    return overrides
 
 
 def text_config(target_config):

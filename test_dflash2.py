@@ -321,7 +321,7 @@ def leading_run(hits):
     ("hidden_size", 0, r"hidden_size \(0\) must be >= 1"),
     ("num_layers", 0, r"num_layers \(0\) must be >= 1"),
     ("vocab_size", 0, r"vocab_size \(0\) must be >= 1"),
-    ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+    ("num_kv_heads", 3, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
     ("head_dim", 7, r"head_dim \(7\) must be even"),
     ("block_size", 1, r"block_size \(1\) must be >= 2"),
     ("mask_token_id", V, rf"mask_token_id \({V}\) must be a token"),
