@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 import dflash2
 import target
-from target import rope_tables
+from target import known_fields, rope_tables
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -337,7 +337,7 @@ def load_export(path, dtype=torch.float32, num_target_layers=None, **overrides):
     into a v1 drafter or, with overrides that switch the convolution / selector on, into a
     DFlash2 drafter whose new parts keep their identity init (warm start)."""
     from safetensors.torch import load_file
-    dflash2.known_fields(overrides)  # a misspelt override fails before any file is read
+    known_fields(overrides)  # a misspelt override fails before any file is read
     cfg_file, weights_file = os.path.join(path, "config.json"), os.path.join(path, "model.safetensors")
     for f in (cfg_file, weights_file):
         if not os.path.isfile(f):

@@ -1,22 +1,23 @@
-"""
-DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the two DFlash2
-additions, a grouped dynamic local convolution and a low-rank candidate selector, its training loss,
-and lossless speculative decoding. It imports nothing from the repository. References: DFlash (arXiv
-2602.06036); "DFlash 2: Keep Drafting Parallel" (Inco AI, Aug 2026); the z-lab `dflash` package (the
-inference reference). ALGORITHM.md pins every formula down; §n points into it.
+"""DFlash2 in one file: the block-parallel speculative-decoding drafter (DFlash) with the two DFlash2 additions, a
+grouped dynamic local convolution and a low-rank candidate selector, its training loss, and lossless speculative
+decoding. It imports nothing from the repository. References: DFlash (arXiv 2602.06036); "DFlash 2: Keep Drafting
+Parallel" (Inco AI, Aug 2026); the z-lab `dflash` package (the inference reference). ALGORITHM.md pins every
+formula down; §n points into it.
 
-From the last verified token (the anchor) at a, the drafter reads the block [anchor, MASK, ..., MASK] at
-a..a+B-1 and predicts a+1..a+B-1 in one pass (slot k predicts position a+k, no shift). It borrows the
-frozen target's embedding rows and LM head, and reads the target's context features f (a few of its
-layers' hidden states, concatenated and projected) as extra keys/values in every draft layer.
+From the last verified token (the anchor) at a, the drafter reads the block [anchor, MASK, ..., MASK] at a..a+B-1
+and predicts a+1..a+B-1 in one pass (slot k predicts position a+k, no shift). It borrows the frozen target's
+embedding rows and LM head, and reads the target's context features f (a few of its layers' hidden states,
+concatenated and projected) as extra keys/values in every draft layer. What a target family applies beyond the
+plain forms here (its RoPE type, its other transforms) comes in from outside, built by target.py from transformers'
+own functions (§1).
 
 Departures from a textbook decoder:
   - attention inside a block is bidirectional; the context is never run through the MLP;
-  - a training row packs many blocks after its context; a block sees the context strictly before its
-    anchor (the anchor's own target state does not exist yet when drafting), its own block, nothing else;
+  - a training row packs many blocks after its context; a block sees the context strictly before its anchor (the
+    anchor's own target state does not exist yet when drafting), its own block, nothing else;
   - the local convolution's taps never cross a block start;
-  - proposals come from a walk over the top-K candidates of each slot, scored with the predecessor the
-    walk actually chose, and verification uses that walk's q.
+  - proposals come from a walk over the top-K candidates of each slot, scored with the predecessor the walk
+    actually chose, and verification uses that walk's q.
 
 The training mask, for a row of S = 6 context tokens and two blocks of B = 3 anchored at a = 1 and a = 3
 (■ may attend; a block sees context s < a and its whole own block):
@@ -30,18 +31,14 @@ The training mask, for a row of S = 6 context tokens and two blocks of B = 3 anc
               4  ■ ■ ■ · · ·       ·  ·  ·     ■  ■  ■
               5  ■ ■ ■ · · ·       ·  ·  ·     ■  ■  ■
 
-What a target family applies beyond the plain forms here (its RoPE type, its other transforms) comes in
-from outside, built by target.py from transformers' own functions (§1).
-
-Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context length, N blocks per
-row (1 at inference), B block size, H hidden, V vocab, K candidates, R selector rank, Kc conv taps, G
-channels per conv group, nh/nkv query/key-value heads, hd head dim, nf target feature layers, M blocks
-walked at once, T temperature (only). U the drafter's logits, z the target's, f its context features, g
-its last hidden state, W_in its input embedding rows, E the selector's edge scores.
+Notation (shape comments; ALGORITHM.md has the full legend): b batch rows, S context length, N blocks per row (1 at
+inference), B block size, H hidden, V vocab, K candidates, R selector rank, Kc conv taps, G channels per conv group,
+nh/nkv query/key-value heads, hd head dim, nf target feature layers, M blocks walked at once, T temperature (only).
+U the drafter's logits, z the target's, f its context features, g its last hidden state, W_in its input embedding
+rows, E the selector's edge scores.
 """
-import math
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -49,8 +46,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-# -----------------------------------------------------------------------------
-# config
+# --- config ------------------------------------------------------------------
 @dataclass
 class DFlash2Config:
     hidden_size: int
@@ -95,14 +91,12 @@ def default_target_layer_ids(num_target_layers, num_features=5):
         return [max(0, min(L // 2, L - 2))]  # never the last layer (check_config says why)
     return [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
 
-# -----------------------------------------------------------------------------
-# the target as the drafter reads it (§1)
+# --- the target as the drafter reads it (§1) ---------------------------------
 @dataclass
 class TargetView:
-    """What the drafter borrows from the frozen target. target_view gives the plain forms
+    """What the drafter borrows from the frozen target; target_view gives the plain forms (a family's: target.py)
         embed(ids) = W_in[ids] · input_embedding_scale
-        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(y) = c·tanh(y / c)
-    and a family's own pieces come from target.py, tested against the target's forward."""
+        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(y) = c·tanh(y / c)"""
     W_in: torch.Tensor   # (V, H) the input embedding rows, raw (factored codebooks read them)
     embed: Callable      # ids (...) -> (..., H)
     logits: Callable     # final hidden states (..., H) -> (..., V)
@@ -123,20 +117,17 @@ def embed_rows(c, W_in, ids):
 
 def transformed_logits(c, y):
     """lm_head's output y (..., V) at least fp32, × output_multiplier, then soft-capped."""
-    y = y.to(torch.promote_types(y.dtype, torch.float32))
+    y, cap = y.to(torch.promote_types(y.dtype, torch.float32)), c.final_logit_softcapping
     y = y * c.output_multiplier if c.output_multiplier != 1 else y
-    cap = c.final_logit_softcapping
     return torch.tanh(y / cap) * cap if cap else y
 
 def context_features(hidden_states, layer_ids):
     """f = cat(h_l for l in layer_ids); layer id l is HF hidden_states[l + 1] (index 0 = embeddings)."""
     return torch.cat([hidden_states[l + 1] for l in layer_ids], dim=-1)  # (b, S, nf·H)
 
-# -----------------------------------------------------------------------------
-# RoPE and RMSNorm
+# --- RoPE and RMSNorm --------------------------------------------------------
 def plain_rope(c, positions=None):
-    """The drafter's RoPE when the target's is plain: inv_freq[m] = θ^(−2m/hd) -> (inv_freq (hd/2,) fp32, cos /
-    sin scale 1). Another type's tables come from outside (DFlash2Drafter's rope), with the same signature."""
+    """A plain RoPE: inv_freq[m] = θ^(−2m/hd) (hd/2,) fp32, cos / sin scale 1; other types' come from outside."""
     return 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float) / c.head_dim), 1.0
 
 def rope_cos_sin(positions, inv_freq, scale, dtype):
@@ -157,23 +148,19 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
-# -----------------------------------------------------------------------------
-# drafter pieces: attention with context injection, local convolution, decoder layer
+# --- drafter pieces: attention with context injection, local convolution, decoder layer ---
 class DraftCache:
-    """The drafter's K/V cache, one (k, v) per layer, of committed context only (§5): block keys/values live
-    for one draft pass, so the next pass only appends the context of the newly committed tokens."""
+    """The drafter's K/V cache, one (k, v) per layer, of committed context only: a block's live one pass (§5)."""
     def __init__(self, num_layers):
         self.kv, self.length = [None] * num_layers, 0  # length: context positions held
 
     def extend(self, layer_idx, k, v, keep=None):
-        """Append the new context's k, v (b, nkv, n, hd); keep: hold only the last `keep` positions
-        (a sliding layer's W − 1: the oldest that this pass's first query, the anchor, still sees)."""
+        """Append the new context's k, v (b, nkv, n, hd); keep: hold only the last `keep` positions (a sliding
+        layer's W − 1: the oldest that this pass's first query, the anchor, still sees)."""
         old = self.kv[layer_idx]
-        if old is not None:
-            k, v = torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2)
+        k, v = (k, v) if old is None else (torch.cat([old[0], k], dim=2), torch.cat([old[1], v], dim=2))
         if keep is not None:
             k, v = k[:, :, max(0, k.shape[2] - keep):], v[:, :, max(0, v.shape[2] - keep):]
         self.kv[layer_idx] = (k, v)
@@ -185,20 +172,12 @@ def window_mask(query_pos, key_pos, window, mask=None):
     near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < window
     return near[:, None] if mask is None else mask & near[:, None]
 
-def cached_positions(cache, num_new, window, block_pos):
-    """A sliding layer's key positions in a cached pass: the last W − 1 positions of the context once
-    num_new more are appended (all DraftCache.extend keeps), then the block's block_pos (b, n)."""
-    total = cache.length + num_new
-    ctx = torch.arange(max(0, total - (window - 1)), total, device=block_pos.device)
-    return torch.cat([ctx.expand(block_pos.shape[0], -1), block_pos], 1)
-
 class Attention(nn.Module):
     """Queries from the block only; keys/values = [proj(ctx) ; proj(block)] (KV injection)."""
     def __init__(self, c, layer_idx):
         super().__init__()
-        self.c = c
-        sliding = (c.layer_types or ["full_attention"] * c.num_layers)[layer_idx] == "sliding_attention"
-        self.window = c.sliding_window if sliding else None  # None: full attention
+        sliding = c.layer_types is not None and c.layer_types[layer_idx] == "sliding_attention"
+        self.c, self.window = c, c.sliding_window if sliding else None  # None: full attention
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -206,21 +185,17 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
 
-    def _split_heads(self, y, n):
-        return y.view(*y.shape[:2], n, self.c.head_dim).transpose(1, 2)  # (b, heads, N·B, hd)
-
     def forward(self, x, ctx, block_rope, ctx_rope, mask=None, cache=None, layer_idx=0):
-        """x (b, N·B, H) blocks; ctx (b, S, H) projected context features (only the new ones
-        when a cache is given); mask (b, 1, N·B, S + N·B) bool or None."""
-        nh, nkv = self.c.num_heads, self.c.num_kv_heads
-        q = apply_rope(self.q_norm(self._split_heads(self.q_proj(x), nh)), *block_rope)
+        """x (b, N·B, H) blocks; ctx (b, S, H) projected context features (only the new ones when a cache is
+        given); mask (b, 1, N·B, S + N·B) bool or None."""
+        nh, nkv, hd = self.c.num_heads, self.c.num_kv_heads, self.c.head_dim
+        heads = lambda y, n: y.view(*y.shape[:2], n, hd).transpose(1, 2)  # (b, heads, N·B, hd)
         # the same k/v projections (and k_norm) serve context and block; only RoPE positions differ
-        k_ctx = apply_rope(self.k_norm(self._split_heads(self.k_proj(ctx), nkv)), *ctx_rope)
-        v_ctx = self._split_heads(self.v_proj(ctx), nkv)
+        kv = lambda y, rope: (apply_rope(self.k_norm(heads(self.k_proj(y), nkv)), *rope), heads(self.v_proj(y), nkv))
+        q = apply_rope(self.q_norm(heads(self.q_proj(x), nh)), *block_rope)
+        (k_ctx, v_ctx), (k_blk, v_blk) = kv(ctx, ctx_rope), kv(x, block_rope)
         if cache is not None:
             k_ctx, v_ctx = cache.extend(layer_idx, k_ctx, v_ctx, None if self.window is None else self.window - 1)
-        k_blk = apply_rope(self.k_norm(self._split_heads(self.k_proj(x), nkv)), *block_rope)
-        v_blk = self._split_heads(self.v_proj(x), nkv)
         k, v = torch.cat([k_ctx, k_blk], dim=2), torch.cat([v_ctx, v_blk], dim=2)
         k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)  # GQA
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (b, nh, N·B, hd)
@@ -239,23 +214,20 @@ class MLP(nn.Module):
 def local_conv(x, delta, base, block_size):
     """Grouped dynamic causal convolution along each block (§2):
         out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],  g(c) = c // G,  x[i − τ] := 0 if (i mod B) < τ
-    x (b, N·B, H) block by block (or one block of at most B tokens); delta (b, N·B, Kc, H/G), computed
-    at the output position; base (Kc, H). Packed blocks sit back to back, so a tap reaching across a
-    block start would read the previous block: those taps are zeroed, not only the row's first."""
-    length, H = x.shape[1], x.shape[2]
-    Kc, G = base.shape[0], H // delta.shape[-1]
+    x (b, N·B, H) block by block (or one block of at most B tokens); delta (b, N·B, Kc, H/G) at the output position;
+    base (Kc, H). Packed blocks sit back to back: a tap reaching across a block start would read the previous block,
+    so it is zeroed, not only the row's first."""
+    length, Kc, G = x.shape[1], base.shape[0], x.shape[2] // delta.shape[-1]
     pos_in_block = torch.arange(length, device=x.device) % block_size
     out = torch.zeros_like(x)
-    for tap in range(Kc):
-        shifted = F.pad(x, (0, 0, tap, 0))[:, :length]  # shifted[:, i] = x[:, i - tap]
-        shifted = shifted * (pos_in_block >= tap).to(x.dtype)[:, None]
-        coef = base[tap] + delta[:, :, tap].repeat_interleave(G, dim=-1)
-        out = out + coef * shifted
+    for tap in range(Kc):  # shifted[:, i] = x[:, i − tap], zero where i − tap is in the previous block
+        shifted = F.pad(x, (0, 0, tap, 0))[:, :length] * (pos_in_block >= tap).to(x.dtype)[:, None]
+        out = out + (base[tap] + delta[:, :, tap].repeat_interleave(G, dim=-1)) * shifted
     return out
 
 class LocalConv(nn.Module):
-    """Both sides of the convolution around one sublayer (§2): `prepare` convolves its normalised input u
-    and returns the output side's δ, `finish` convolves its output with it (both δ come from u)."""
+    """Both sides of the convolution around one sublayer (§2): `prepare` convolves its normalised input u and returns
+    the output side's δ, `finish` convolves its output with it (both δ come from u)."""
     def __init__(self, c):
         super().__init__()
         self.block_size, self.taps, self.groups = c.block_size, c.conv_kernel_size, c.hidden_size // c.conv_group_size
@@ -292,13 +264,11 @@ class DecoderLayer(nn.Module):
         y = self.mlp(u)
         return h + (self.mlp_conv.finish(y, delta) if conv else y)
 
-# -----------------------------------------------------------------------------
-# candidate selector (§3)
+# --- candidate selector (§3) -------------------------------------------------
 class CandidateSelector(nn.Module):
     """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
-    A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·W_in[p], Bc[c] = W_B·W_in[c] with W_in the
-    target's frozen input embedding rows, passed in: 3·H·R parameters, not H·R + 2·V·R."""
-
+    A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·W_in[p], Bc[c] = W_B·W_in[c] with W_in the target's
+    frozen input embedding rows, passed in: 3·H·R parameters, not H·R + 2·V·R."""
     def __init__(self, c):
         super().__init__()
         self.top_k, self.factored = c.selector_top_k, c.selector_codebooks == "factored"
@@ -311,8 +281,8 @@ class CandidateSelector(nn.Module):
             self.successor_codebook = nn.Parameter(torch.empty(c.vocab_size, c.selector_rank))
 
     def edge_scores(self, h, U, prev, cand, W_in=None):
-        """h (..., H), U (..., V), prev (...) predecessor ids, cand (..., K) -> E (..., K) fp32 (even under
-        autocast: in bf16 about 1% of the argmaxes flip); W_in: the target's rows, for factored codebooks."""
+        """h (..., H), U (..., V), prev (...) predecessor ids, cand (..., K) -> E (..., K) fp32 (even under autocast:
+        in bf16 about 1% of the argmaxes flip); W_in: the target's rows, for factored codebooks."""
         return U.gather(-1, cand).float() + self.pairwise_scores(h, prev, cand, W_in)
 
     def pairwise_scores(self, h, prev, cand, W_in=None):
@@ -329,9 +299,9 @@ class CandidateSelector(nn.Module):
             return torch.einsum("...r,...kr->...k", A * P, Bc)
 
     def walk(self, h, U, anchor, temperature=0.0, generator=None, W_in=None):
-        """The walk from the verified anchor (§3): h (M, B-1, H), U (M, B-1, V), anchor (M,) -> path (M, B-1),
-        cand (M, B-1, K), q (M, B-1, K) fp32: each pick's law given the predecessor the walk picked (any
-        other q makes verification lossy); at T = 0 one-hot on the argmax (lowest index on ties)."""
+        """The walk from the verified anchor (§3): h (M, B-1, H), U (M, B-1, V), anchor (M,) -> path (M, B-1), cand
+        (M, B-1, K), q (M, B-1, K) fp32: each pick's law given the predecessor the walk picked (any other q makes
+        verification lossy); at T = 0 one-hot on the argmax (lowest index on ties)."""
         cand = U.topk(self.top_k, dim=-1).indices            # (M, B-1, K)
         prev, path, qs = anchor, [], []
         for j in range(cand.shape[1]):
@@ -347,8 +317,7 @@ class CandidateSelector(nn.Module):
             qs.append(q)
         return torch.stack(path, 1), cand, torch.stack(qs, 1)
 
-# -----------------------------------------------------------------------------
-# the drafter
+# --- the drafter -------------------------------------------------------------
 @torch.no_grad()
 def init_weights(drafter):
     """Linears N(0, 0.02), RMSNorms 1; then (the visiting order is moot) the identity convolution (§2) and a zero
@@ -370,15 +339,13 @@ def init_weights(drafter):
             m.successor_codebook.zero_()
 
 class DFlash2Drafter(nn.Module):
-    """Parameter names follow §7 (export: the state_dict, factored tables materialized); the target's are passed
-    in. rope(config, positions) -> (inv_freq, scale): the RoPE tables, plain_rope unless the target brings
-    another type (config.rope_scaling), whose tables come from outside (target.rope_tables)."""
+    """Parameter names follow §7 (the export: the state_dict, factored tables materialized). rope(config, positions)
+    -> (inv_freq, scale): plain_rope, or the tables of the target's type (rope_scaling) from target.rope_tables."""
     def __init__(self, config, rope=None):
         super().__init__()
         c = self.config = config
-        require(rope is not None or c.rope_scaling is None,
-                f"rope_type {(c.rope_scaling or {}).get('rope_type')!r}: its tables come from outside, "
-                "DFlash2Drafter(config, rope=target.rope_tables(config))")
+        require(rope is not None or c.rope_scaling is None, f"rope_type {(c.rope_scaling or {}).get('rope_type')!r}: "
+                "its tables come from outside, DFlash2Drafter(config, rope=target.rope_tables(config))")
         self.rope = rope or plain_rope
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -392,16 +359,18 @@ class DFlash2Drafter(nn.Module):
         """block_embeds (b, N·B, H) the block tokens' target embeddings at block_pos (b, N·B); f (b, S, nf·H) the
         target's context features at ctx_pos (b, S), only the new context with a cache; mask (b, 1, N·B, S + N·B)
         bool (True = may attend) or None (= see everything). -> h (b, N·B, H), normalized."""
-        c = self.config
+        c, W = self.config, self.config.sliding_window
         ctx = self.hidden_norm(self.fc(f))  # computed once, shared by every layer
         positions = torch.cat([ctx_pos, block_pos], 1)
         inv_freq, scale = self.rope(c, positions)
         block_rope, ctx_rope = (rope_cos_sin(pos, inv_freq, scale, block_embeds.dtype) for pos in (block_pos, ctx_pos))
         masks = {None: mask}
-        if c.sliding_window and "sliding_attention" in (c.layer_types or ()):
-            masks[c.sliding_window] = window_mask(block_pos, positions if cache is None else
-                                                  cached_positions(cache, f.shape[1], c.sliding_window, block_pos),
-                                                  c.sliding_window, mask)
+        if W and "sliding_attention" in (c.layer_types or ()):
+            if cache is not None:  # the keys a cached pass sees: the last W − 1 context positions (all extend keeps)
+                end = cache.length + f.shape[1]
+                ctx_keys = torch.arange(max(0, end - (W - 1)), end, device=block_pos.device)
+                positions = torch.cat([ctx_keys.expand(block_pos.shape[0], -1), block_pos], 1)
+            masks[W] = window_mask(block_pos, positions, W, mask)
         h, recompute = block_embeds, self.grad_checkpoint and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             args = (h, ctx, block_rope, ctx_rope, masks[layer.self_attn.window], cache, i)
@@ -411,9 +380,8 @@ class DFlash2Drafter(nn.Module):
         return self.norm(h)
 
     def propose(self, h, U, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0, W_in=None):
-        """Drafts for slots 1..B-1 (§3): the walk, or with the selector off the unary argmax (T = 0) or a draw
-        from sampling_probs (the request's law). -> path (M, B-1), cand (M, B-1, K or V), q (M, B-1, K or V)
-        the law each token was drawn from. W_in: the target's input embedding rows (factored codebooks)."""
+        """Drafts for slots 1..B-1 (§3): the walk, or with the selector off the argmax of U (T = 0) or a draw from
+        sampling_probs. -> path (M, B-1), cand and q (M, B-1, K or V): the law each token was drawn from."""
         if self.config.selector_top_k:
             return self.candidate_selector.walk(h, U, anchor, temperature, generator, W_in)
         M, n, V = U.shape
@@ -422,22 +390,18 @@ class DFlash2Drafter(nn.Module):
             path = U.argmax(-1)
             return path, cand, F.one_hot(path, V).float()
         q = sampling_probs(U, temperature, top_p, top_k)
-        path = torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n)
-        return path, cand, q
+        return torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n), cand, q
 
-# -----------------------------------------------------------------------------
-# anchors, block layout and mask (§6)
+# --- anchors, block layout and mask (§6) -------------------------------------
 def sample_anchors(loss_mask, max_anchors, generator=None):
     """Per row, up to max_anchors distinct positions a with loss_mask[a] = loss_mask[a + 1] = 1, sorted (§6).
     -> anchors (b, N) long, valid (b, N) bool; padding anchors sit at 0."""
     require(max_anchors >= 1, f"max_anchors ({max_anchors}) must be >= 1")
     b, lm = loss_mask.shape[0], loss_mask.bool()
-    eligible = lm[:, :-1] & lm[:, 1:]                # (b, S-1): position a, with a + 1 < S
     chosen = []
-    for row in eligible:
+    for row in lm[:, :-1] & lm[:, 1:]:  # eligible (b, S-1): position a, with a + 1 < S
         idx = row.nonzero().squeeze(-1)
-        perm = torch.randperm(len(idx), generator=generator)[:max_anchors]
-        chosen.append(idx[perm.to(idx.device)].sort().values)
+        chosen.append(idx[torch.randperm(len(idx), generator=generator)[:max_anchors].to(idx.device)].sort().values)
     N = max(1, max(len(a) for a in chosen))
     anchors = torch.zeros(b, N, dtype=torch.long, device=loss_mask.device)
     valid = torch.zeros(b, N, dtype=torch.bool, device=loss_mask.device)
@@ -454,9 +418,8 @@ def block_layout(input_ids, anchors, block_size, mask_token_id):
     return ids.view(b, N * block_size), pos.view(b, N * block_size)
 
 def block_attention_mask(anchors, attention_mask, block_size):
-    """Dense (b, 1, N·B, S + N·B) bool mask over keys [context ; blocks] (§6, drawn in the module docstring):
-    block j sees all of its own block and the real context tokens s < a_j (strictly: at inference the anchor's
-    target state does not exist yet)."""
+    """Dense (b, 1, N·B, S + N·B) bool mask over keys [context ; blocks] (§6, drawn in the module docstring): block j
+    sees its own block and real context s < a_j (strictly: the anchor's target state is not there yet at inference)."""
     (b, N), S = anchors.shape, attention_mask.shape[1]
     s = torch.arange(S, device=anchors.device)
     ctx = (s[None, None, :] < anchors[:, :, None]) & attention_mask.bool()[:, None, :]   # (b, N, S)
@@ -467,15 +430,14 @@ def block_attention_mask(anchors, attention_mask, block_size):
 
 def block_slots(anchors, anchor_valid, loss_mask, block_size):
     """Slot k = 1..B-1 of block j predicts t = a_j + k and counts iff its anchor is real, t < S and loss_mask[t] = 1;
-    its label, the target's logits and its predecessor are read at src = t - 1 (t clamped). -> counted, src (b, N, B-1)."""
+    its label, the target's logits and predecessor are read at src = t - 1 (t clamped). -> counted, src (b, N, B-1)."""
     S = loss_mask.shape[1]
     t = anchors[:, :, None] + torch.arange(1, block_size, device=anchors.device)   # (b, N, B-1)
     t_in = t.clamp(max=S - 1)
     counted = anchor_valid[:, :, None] & (t < S) & loss_mask.bool().gather(1, t_in.flatten(1)).view_as(t)
     return counted, t_in - 1
 
-# -----------------------------------------------------------------------------
-# the loss (§6)
+# --- the loss (§6) -----------------------------------------------------------
 @dataclass
 class Batch:
     """A training step's tensors: input_ids, attention_mask, loss_mask (b, S); the target's context features
@@ -512,8 +474,8 @@ def slot_sums(view, selector, cfg, h, g, prev, w):
         unary     kl: ℓ = Σ_v p_v·(log p_v − log q_v),  p = softmax(z), q = softmax(U);   ce: ℓ = −log q_y,  y = argmax z
         selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(U, K),  π = one-hot(y) ("argmax") or the
                   target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at))
-    -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only).
-    train.py runs it compiled (torch.compile); this is the formula it compiles."""
+    -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only). train.py
+    compiles it."""
     U, z = view.logits(h), view.logits(g)
     log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
     soft = selector is not None and cfg.selector_labels == "soft"
@@ -537,19 +499,16 @@ def slot_sums(view, selector, cfg, h, g, prev, w):
 
 @dataclass
 class Slots:
-    """The drafter's output per slot of a batch's blocks, kept for the metrics: h, g (b, N, B-1, H), prev and
-    counted (b, N, B-1)."""
+    """Per slot of a batch's blocks, kept for the metrics: h, g (b, N, B-1, H), prev, counted (b, N, B-1)."""
     h: torch.Tensor
     g: torch.Tensor
     prev: torch.Tensor
     counted: torch.Tensor
 
 def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
-    """The drafter over the batch's packed blocks, then the sums the §6 loss divides, over the counted slots,
-    cfg.chunk_size slots at a time (each chunk's (n, V) logits recomputed in backward): unary, unary_weight
-    (Σ w), and with a selector selector, selector_weight. sums_fn: slot_sums, or it compiled. forward: what runs
-    the drafter's forward (data parallel: its DistributedDataParallel wrapper); None: the drafter.
-    -> ({name: sum}, Slots)."""
+    """The drafter over the batch's packed blocks, then the sums the §6 loss divides over the counted slots, chunk_size
+    at a time (their (n, V) logits recomputed in backward). sums_fn: slot_sums or it compiled; forward: the drafter's
+    (data parallel: its DDP wrapper). -> ({unary, unary_weight (Σ w), selector, selector_weight}, Slots)."""
     cfg = cfg or LossConfig()
     c, (b, S), N = drafter.config, batch.input_ids.shape, batch.anchors.shape[1]
     ids, pos = block_layout(batch.input_ids, batch.anchors, c.block_size, c.mask_token_id)
@@ -560,7 +519,6 @@ def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     counted, src = block_slots(batch.anchors, batch.anchor_valid, batch.loss_mask, c.block_size)
     rows = torch.arange(b, device=ids.device)[:, None, None]
     slots = Slots(h[:, :, 1:], batch.g[rows, src], batch.input_ids[rows, src], counted)
-
     gamma = default_gamma(c.block_size) if cfg.gamma is None else cfg.gamma
     w_dtype = torch.promote_types(view.W_in.dtype, torch.float32)  # the logits' dtype: fp64 stays fp64
     w = torch.exp(-torch.arange(c.block_size - 1, device=h.device, dtype=w_dtype) / gamma) * counted
@@ -576,9 +534,9 @@ def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     return {**sums, "unary_weight": w.sum()}, slots
 
 def loss_from_sums(sums, alpha, weights=None):
-    """L = unary / unary_weight + α·selector / selector_weight (§6; a sum over no slot is 0 / 1e-9 = 0).
-    weights: the denominators to use instead of the batch's own (data parallel: the ranks' mean, so the
-    ranks' mean gradient is the global batch's). -> (L, {loss, unary_loss, selector_loss} detached)."""
+    """L = unary / unary_weight + α·selector / selector_weight (§6; a sum over no slot is 0 / 1e-9 = 0). weights: the
+    denominators to use instead of the batch's own (data parallel: the ranks' mean, so the ranks' mean gradient is
+    the global batch's). -> (L, {loss, unary_loss, selector_loss} detached)."""
     w_unary, w_selector = (sums["unary_weight"], sums.get("selector_weight")) if weights is None else weights
     loss = unary_loss = sums["unary"] / w_unary.clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
@@ -593,11 +551,10 @@ def dflash2_loss(drafter, view, batch, cfg=None, sums_fn=slot_sums):
     sums, slots = loss_sums(drafter, view, batch, cfg, sums_fn)
     return (*loss_from_sums(sums, (cfg or LossConfig()).alpha), slots)
 
-# -----------------------------------------------------------------------------
-# speculative decoding (§4, §5)
+# --- speculative decoding (§4, §5) -------------------------------------------
 def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
-    """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the
-    target's p, and the q of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
+    """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the target's p, and the q
+    of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
     x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     if top_k:
         kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
@@ -625,20 +582,19 @@ def verify_greedy(draft, logits):
     return n_acc, int(pred[n_acc])
 
 def acceptance_probability(p, q, token):
-    """Keep a draft token with probability min(1, p[token] / q[token]). A token the target
-    gives p = 0 is never kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
+    """Keep a draft token with probability min(1, p[token] / q[token]). A token the target gives p = 0 is never
+    kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
     return torch.where(p[token] > 0, torch.clamp(p[token] / q[token], max=1.0), 0.0)
 
 def residual_distribution(p, q):
-    """After a rejection, sample from normalize(max(0, p - q)); p itself if that is all zero
-    (only when p = q, where rejection cannot happen anyway)."""
+    """The law after a rejection, normalize(max(0, p - q)); p if that is all zero (only at p = q: no rejection)."""
     r = (p - q).clamp(min=0)
     return r / r.sum() if r.sum() > 0 else p
 
 def verify_sampled(draft, q, p, generator=None):
-    """T > 0 rejection sampling (Leviathan et al. / Chen et al., §4) with a sparse proposal: draft (n,),
-    q (n, V) the law each draft was drawn from (0 outside its candidates, conditional on the drafted
-    predecessor), p (n+1, V) the target's laws. Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
+    """T > 0 rejection sampling (Leviathan et al. / Chen et al., §4) with a sparse proposal: draft (n,), q (n, V) the
+    law each draft was drawn from (0 outside its candidates, conditional on the drafted predecessor), p (n+1, V) the
+    target's laws. Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
     for i, d in enumerate(draft.tolist()):
         u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
         if u >= acceptance_probability(p[i], q[i], d):
@@ -651,12 +607,11 @@ def q_over_vocab(cand, q, vocab_size):
     return dense.scatter_(-1, cand, q.double())
 
 def target_cache(target, forward_tokens=0):
-    """The target's transformers cache for decoding one sequence. forward_tokens > 0: after a forward of at most
-    that many tokens, crop(−m) can take back any m of them (§5): sliding-window layers keep the keys past their
-    window, and recurrent layers (linear attention, Mamba, short convolutions) the state after each of the
-    forward's tokens, until the next crop. Without them a hybrid target cannot be rolled back; with fewer the
-    states are misaligned: transformers keeps the last k states of a forward, and crop(−m) takes the m-th from
-    the end of [state before the forward] + those k but the last."""
+    """The target's transformers cache for decoding one sequence. forward_tokens > 0: after a forward of at most that
+    many tokens, crop(−m) can take back any m of them (§5): sliding-window layers keep the keys past their window,
+    recurrent layers (linear attention, Mamba, short convolutions) the state after each token, until the next crop.
+    Without them a hybrid target cannot be rolled back; with fewer the states misalign: transformers keeps a forward's
+    last k states, and crop(−m) takes the m-th from the end of [state before the forward] + those k but the last."""
     from transformers import DynamicCache
     cache = DynamicCache(config=target.config)
     if forward_tokens:
@@ -664,9 +619,9 @@ def target_cache(target, forward_tokens=0):
     return cache
 
 def draft_forward(drafter, view, anchor, new_f, draft_cache):
-    """The draft half (§5): the block [anchor, MASK, ..., MASK] at a..a+B−1 through the drafter, which first
-    appends new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then the target's
-    logits of slots 1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32): propose's inputs."""
+    """The draft half (§5): the block [anchor, MASK, ..., MASK] at a..a+B−1 through the drafter, which first appends
+    new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then the target's logits of slots
+    1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32): propose's inputs."""
     c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
     a = draft_cache.length + new_f.shape[1]  # the context is 0..a−1, the anchor sits at a
     block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
@@ -678,8 +633,8 @@ def draft_forward(drafter, view, anchor, new_f, draft_cache):
 def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n, temperature=0.0, top_p=1.0,
                             top_k=0, generator=None):
     """One draft-and-verify cycle (§5): the anchor (1,) at a is the last emitted token, the target's cache holds
-    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens, verify them in one target pass (greedy
-    or sampled), keep the accepted prefix and a bonus. -> (the accepted drafts then the bonus, next new_f)."""
+    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens, verify them in one target pass (greedy or
+    sampled), keep the accepted prefix and a bonus. -> (the accepted drafts then the bonus, next new_f)."""
     # draft: one drafter pass over [anchor, MASK, ...], then the walk (or the unary law) picks n tokens
     h, U = draft_forward(drafter, view, anchor, new_f, draft_cache)
     path, cand, q = drafter.propose(h, U, anchor, temperature, generator, top_p=top_p, top_k=top_k, W_in=view.W_in)
@@ -690,9 +645,8 @@ def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, n
     if temperature == 0:
         n_acc, bonus = verify_greedy(draft, logits)
     else:
-        q_vocab = q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1])
-        n_acc, bonus = verify_sampled(draft, q_vocab, sampling_probs(logits.double(), temperature, top_p, top_k),
-                                      generator)
+        p = sampling_probs(logits.double(), temperature, top_p, top_k)
+        n_acc, bonus = verify_sampled(draft, q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1]), p, generator)
     # roll back: the target drops the n − n_acc rejected drafts (transformers 5: crop(−m) drops the last m; crop(0)
     # drops nothing but trims the layers that recorded their past); the drafter's next new context is the
     # features of the anchor and the accepted drafts (the bonus is the next anchor)
@@ -731,12 +685,11 @@ def emit(tokens, new, stop_ids, max_new_tokens):
     return False
 
 @torch.no_grad()
-def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                    stop_token_ids=None, generator=None):
+def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0, stop_token_ids=None,
+                    generator=None):
     """Plain autoregressive decoding with the same cache and sampling code: the baseline."""
     check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
-    stats, stop_ids, tokens = GenerationStats(), set(stop_token_ids or ()), []
-    cache = target_cache(target)
+    stats, stop_ids, tokens, cache = GenerationStats(), set(stop_token_ids or ()), [], target_cache(target)
     logits = target(input_ids, cache=cache, use_cache=True).logits[0, -1]
     start, stats.target_forwards = device_time(input_ids.device), 1
     while not emit(tokens, [int(sample(logits, temperature, top_p, top_k, generator))], stop_ids, max_new_tokens):
@@ -748,9 +701,9 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
 @torch.no_grad()
 def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
                   stop_token_ids=None, generator=None, view=None):
-    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). view: the target as the drafter
-    reads it (None: target_view's plain forms). -> (new token ids (n,), GenerationStats). Equals
-    target_generate's output token for token at T = 0, follows its law at T > 0."""
+    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). view: the target as the drafter reads
+    it (None: target_view's plain forms). -> (new token ids (n,), GenerationStats). Equals target_generate's output
+    token for token at T = 0, follows its law at T > 0."""
     check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
     view = view or target_view(c, target)
@@ -776,8 +729,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     stats.decode_seconds, stats.new_tokens = device_time(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats
 
-# -----------------------------------------------------------------------------
-# the checks: bad input refused early, in one sentence naming the field, its value and the rule
+# --- the checks: bad input refused early, in one sentence naming the field, its value and the rule ---
 def require(ok, sentence):
     if not ok:
         raise ValueError(sentence)
@@ -789,8 +741,7 @@ def check_config(c):
         require(getattr(c, name) >= 1, f"{name} ({getattr(c, name)}) must be >= 1")
     require(c.rope_theta > 0 and c.rms_norm_eps >= 0,
             f"rope_theta ({c.rope_theta}) must be > 0 and rms_norm_eps ({c.rms_norm_eps}) >= 0")
-    require(c.num_heads % c.num_kv_heads == 0,
-            f"num_heads ({c.num_heads}) must be divisible by num_kv_heads ({c.num_kv_heads})")
+    require(c.num_heads % c.num_kv_heads == 0, f"num_kv_heads ({c.num_kv_heads}) must divide num_heads ({c.num_heads})")
     require(c.head_dim % 2 == 0, f"head_dim ({c.head_dim}) must be even for rotary embeddings")
     require(c.block_size >= 2, f"block_size ({c.block_size}) must be >= 2 (an anchor plus at least one draft slot)")
     require(0 <= c.mask_token_id < c.vocab_size,
@@ -800,7 +751,7 @@ def check_config(c):
     require(c.input_embedding_scale > 0 and c.output_multiplier > 0 and (c.final_logit_softcapping or 1) > 0,
             f"input_embedding_scale ({c.input_embedding_scale}), output_multiplier ({c.output_multiplier}) and "
             f"final_logit_softcapping ({c.final_logit_softcapping}) must be > 0 (softcapping: or None)")
-    L, ids = c.num_target_layers, c.target_layer_ids
+    L, ids, types = c.num_target_layers, c.target_layer_ids, c.layer_types
     require(ids, "target_layer_ids is empty: the drafter needs at least one target layer")
     require(all(0 <= l < L for l in ids),
             f"target_layer_ids {[l for l in ids if not 0 <= l < L]} outside the target's layers [0, {L})")
@@ -808,13 +759,11 @@ def check_config(c):
     require(L - 1 not in ids, f"target_layer_ids {ids} holds the target's last layer {L - 1}: Hugging Face returns "
             "it after the final norm, and serving engines, which capture each layer's input, never see it; use "
             f"layers below {L - 1}")
-    if c.layer_types is not None:
-        require(len(c.layer_types) == c.num_layers,
-                f"layer_types has {len(c.layer_types)} entries for num_layers = {c.num_layers}")
-        require(set(c.layer_types) <= {"full_attention", "sliding_attention"},
-                f"layer_types {sorted(set(c.layer_types))} may only hold 'full_attention' and 'sliding_attention'")
-    if "sliding_attention" in (c.layer_types or ()):
-        require(isinstance(c.sliding_window, int) and c.sliding_window >= 1,
+    if types is not None:
+        require(len(types) == c.num_layers, f"layer_types has {len(types)} entries for num_layers = {c.num_layers}")
+        require(set(types) <= {"full_attention", "sliding_attention"},
+                f"layer_types {sorted(set(types))} may only hold 'full_attention' and 'sliding_attention'")
+        require("sliding_attention" not in types or isinstance(c.sliding_window, int) and c.sliding_window >= 1,
                 f"sliding_window ({c.sliding_window!r}) must be an integer >= 1 for sliding_attention layers")
     if c.conv_kernel_size:
         require(1 <= c.conv_kernel_size <= c.block_size,
@@ -825,11 +774,6 @@ def check_config(c):
         require(1 <= c.selector_top_k <= c.vocab_size,
                 f"selector_top_k ({c.selector_top_k}) must be in [1, vocab_size={c.vocab_size}], or 0 to disable")
         require(c.selector_rank >= 1, f"selector_rank ({c.selector_rank}) must be >= 1 when the selector is on")
-
-def known_fields(overrides):
-    unknown = sorted(set(overrides) - {f.name for f in fields(DFlash2Config)})
-    require(not unknown, f"unknown DFlash2Config fields {unknown}")
-    return overrides
 
 def check_target_shape(c, num_target_layers, hidden_size, vocab_size):
     """A drafter only fits the target it was built for: same layer count, width and vocabulary."""
@@ -857,8 +801,7 @@ def check_loss_config(cfg):
 
 def check_sampling(temperature, top_p, top_k):
     """A request's setting: T finite, >= 0 (0: greedy); top_p in (0, 1], integer top_k >= 0 (1 and 0: no filter)."""
-    require(temperature >= 0 and not math.isinf(temperature),  # NaN fails `>= 0`
-            f"temperature ({temperature}) must be a finite number >= 0")
+    require(0 <= temperature < float("inf"), f"temperature ({temperature}) must be a finite number >= 0")  # NaN fails
     require(0 < top_p <= 1, f"top_p ({top_p}) must be in (0, 1]")
     require(isinstance(top_k, int) and top_k >= 0, f"top_k ({top_k!r}) must be an integer >= 0")
 

@@ -130,7 +130,7 @@ def drafter_config(target_config, **overrides):
                  num_target_layers=L, target_layer_ids=dflash2.default_target_layer_ids(L),
                  rms_norm_eps=getattr(tc, "rms_norm_eps", 1e-6), max_position_embeddings=tc.max_position_embeddings,
                  **config_rope(tc), **config_transforms(tc))
-    c = dflash2.DFlash2Config(**{**shape, **dflash2.known_fields(overrides)})
+    c = dflash2.DFlash2Config(**{**shape, **known_fields(overrides)})
     check_rope(c)
     return c
 
@@ -149,7 +149,7 @@ def config_fields(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(fields, dict):
         raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of DFlash2Config fields")
-    unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(dflash2.DFlash2Config)})
+    unknown = unknown_fields(fields)
     own = [OWN_FLAGS[k] for k in fields if k in OWN_FLAGS]
     if unknown or own:
         why = (f"unknown DFlash2Config fields {unknown}" if unknown else
@@ -176,6 +176,18 @@ def add_drafter_flags(p):
 def drafter_fields(args):
     """The DFlash2Config fields the drafter flags set."""
     return {**{k: getattr(args, k) for k in OWN_FLAGS}, **args.drafter_config}
+
+
+def unknown_fields(fields):
+    """The keys of fields that are no DFlash2Config field, sorted."""
+    return sorted(set(fields) - {f.name for f in dataclasses.fields(dflash2.DFlash2Config)})
+
+
+def known_fields(overrides):
+    """overrides, once every key is a DFlash2Config field."""
+    unknown = unknown_fields(overrides)
+    dflash2.require(not unknown, f"unknown DFlash2Config fields {unknown}")
+    return overrides
 
 
 def text_config(target_config):

@@ -1,8 +1,10 @@
 """Core tests of dflash2.py (ALGORITHM.md §1-§3, §6): drafter, local convolution, candidate
-selector, block masking, anchors, loss and metrics. Every hand-written piece is checked
-against an independent reference (a naive loop, brute force or exact enumeration) on tiny
-random Qwen3 targets built from a config; nothing is downloaded. Comparisons run in
-float64 (in float32 where float32 is the point: underflow, the compiled loss).
+selector, block masking, anchors and loss (the §6 metrics: tests/test_metrics.py, on this
+file's target, drafter, batch and references). Every hand-written piece is checked against an
+independent reference (a naive loop, brute force or exact enumeration) on tiny random Qwen3
+targets built from a config; nothing is downloaded. Comparisons run in float64 (in float32
+where float32 is the point: underflow, the compiled loss). Beside conftest's builders it
+imports dflash2.py only.
 Run: python -m pytest test_dflash2.py -q
 """
 import math
@@ -11,14 +13,11 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import Qwen3Config
 
 from conftest import tiny_qwen3
-from dflash2 import (Batch, CandidateSelector, DFlash2Drafter, DraftCache, LocalConv, LossConfig, TargetView,
-                     block_attention_mask, block_layout, block_slots, context_features, default_gamma,
+from dflash2 import (Batch, CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
+                     TargetView, block_attention_mask, block_layout, block_slots, context_features, default_gamma,
                      default_target_layer_ids, dflash2_loss, local_conv, sample_anchors, slot_sums, target_view)
-from metrics import dflash2_metrics, expected_acceptance_length
-from target import drafter_config
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
 MASK_ID = V - 1           # never drawn as a data token
@@ -36,14 +35,9 @@ VALID = torch.tensor([[True] * 5, [True, True, True, False, False]])
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def target_config(**kw):
-    return Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=4,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                       max_position_embeddings=256, **kw)
-
-
 def make_target(lm_head_scale=1.0, dtype=torch.float64):
-    """The random target of target_config(), frozen, in float64 unless asked otherwise."""
+    """A random Qwen3 target (V tokens, width H, four layers of 4 query and 2 key-value heads of 8), frozen, in
+    float64 unless asked otherwise."""
     return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale, dtype=dtype)
 
 
@@ -53,9 +47,13 @@ def target():
 
 
 def make_config(**overrides):
+    """A small drafter of make_target()'s target: its shape as target.drafter_config reads it (tests/test_target.py),
+    two layers, blocks of B, a convolution and a selector."""
+    shape = dict(hidden_size=H, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
+                 num_target_layers=4, rope_theta=1e4, max_position_embeddings=256)
     small = dict(mask_token_id=MASK_ID, num_layers=2, block_size=B, target_layer_ids=LAYER_IDS,
                  conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
-    return drafter_config(target_config(), **{**small, **overrides})
+    return DFlash2Config(**{**shape, **small, **overrides})
 
 
 def make_drafter(seed=0, randomize=False, **overrides):
@@ -110,12 +108,11 @@ def loss_batch(batch, anchors=ANCHORS, anchor_valid=VALID):
                  hs[-1], anchors, anchor_valid)
 
 
-def loss_and_metrics(drafter, target, batch, anchors, anchor_valid, cfg=LossConfig()):
-    """dflash2_loss and dflash2_metrics (of the loss's own slots) of a batch: (L, its stats as floats with the
-    §6 metrics)."""
+def loss_and_stats(drafter, target, batch, anchors, anchor_valid, cfg=LossConfig()):
+    """dflash2_loss of a batch: (L, its stats as floats)."""
     view = target_view(drafter.config, target)
-    loss, stats, slots = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
-    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
+    loss, stats, _ = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
+    return loss, {k: v.item() for k, v in stats.items()}
 
 
 def with_last_hidden(batch, G):
@@ -145,15 +142,15 @@ def draft_packed(drafter, target, batch, **kw):
 
 def loss_and_logits(drafter, target, batch, **kw):
     """dflash2_loss on the test anchors, plus the drafter output it computed (b, N, B, H)
-    and the unary logits of slots 1..B-1 (b, N, B-1, V), read off a forward hook: the only
-    drafter pass, as the metrics read the loss's own slots."""
+    and the unary logits of slots 1..B-1 (b, N, B-1, V), read off a forward hook: the loss's
+    only drafter pass."""
     seen = []
     hook = drafter.register_forward_hook(lambda module, args, out: seen.append(out))
     try:
-        loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+        loss, stats = loss_and_stats(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     finally:
         hook.remove()
-    assert len(seen) == 1, f"the loss and its metrics ran the drafter {len(seen)} times, want once"
+    assert len(seen) == 1, f"the loss ran the drafter {len(seen)} times, want once"
     h = seen[0].detach().view(*ANCHORS.shape, B, H)
     return loss, stats, h, target.lm_head(h[:, :, 1:])
 
@@ -304,15 +301,6 @@ def counted_slots(batch, anchors, valid):
     return out
 
 
-def leading_run(hits):
-    run = 0
-    for hit in hits:
-        if not hit:
-            break
-        run += 1
-    return run
-
-
 # -----------------------------------------------------------------------------
 # config validation
 
@@ -321,7 +309,7 @@ def leading_run(hits):
     ("hidden_size", 0, r"hidden_size \(0\) must be >= 1"),
     ("num_layers", 0, r"num_layers \(0\) must be >= 1"),
     ("vocab_size", 0, r"vocab_size \(0\) must be >= 1"),
-    ("num_kv_heads", 3, r"num_heads \(4\) must be divisible by num_kv_heads \(3\)"),
+    ("num_kv_heads", 3, r"num_kv_heads \(3\) must divide num_heads \(4\)"),
     ("head_dim", 7, r"head_dim \(7\) must be even"),
     ("block_size", 1, r"block_size \(1\) must be >= 2"),
     ("mask_token_id", V, rf"mask_token_id \({V}\) must be a token"),
@@ -353,25 +341,6 @@ def test_config_accepts_disabled_parts_with_unused_bad_values():
     assert not c.is_dflash2, "conv and selector off should be plain DFlash (is_dflash2 False)"
 
 
-def test_drafter_config_refuses_no_mask_token_unknown_fields_and_unknown_rope():
-    with pytest.raises(ValueError, match=r"drafter_config needs mask_token_id"):
-        drafter_config(target_config())
-    with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
-        drafter_config(target_config(), mask_token_id=MASK_ID, blocksize=8)
-    with pytest.raises(ValueError, match=r"rope_type 'mrope' is not supported"):
-        make_config(rope_scaling={"rope_type": "mrope", "factor": 2.0})
-    with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['low_freq_factor'\]"):
-        make_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 64})
-
-
-def test_drafter_config_copies_the_target_shape():
-    c = drafter_config(target_config(), mask_token_id=MASK_ID)
-    got = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
-           c.num_target_layers, c.rope_theta)
-    assert got == (H, 64, 4, 2, 8, V, 4, 1e4), f"drafter shape {got} differs from the target's"
-
-
 def test_default_target_layer_ids_are_the_published_choice_and_distinct_layers():
     # ALGORITHM.md §1: the published choice for 36 layers and 5 features, and n == 1 -> [L // 2]
     got = default_target_layer_ids(36), default_target_layer_ids(36, num_features=1)
@@ -384,7 +353,7 @@ def test_default_target_layer_ids_are_the_published_choice_and_distinct_layers()
 def test_training_functions_refuse_bad_arguments(target, batch):
     with pytest.raises(ValueError, match=r"max_anchors \(0\) must be >= 1"):
         sample_anchors(batch["loss_mask"], 0)
-    loss = lambda drafter=None, **kw: loss_and_metrics(drafter or make_drafter(), target, batch, anchors=ANCHORS,
+    loss = lambda drafter=None, **kw: loss_and_stats(drafter or make_drafter(), target, batch, anchors=ANCHORS,
                                                    anchor_valid=VALID, cfg=LossConfig(**kw))
     for kw, message in ((dict(loss_type="mse"), r"loss_type \('mse'\) must be 'kl' or 'ce'"),
                         (dict(gamma=0), r"gamma \(0\) must be > 0"), (dict(gamma=-2.0), r"gamma \(-2.0\) must be > 0"),
@@ -473,15 +442,12 @@ def test_shapes_and_dtypes_of_layout_mask_drafter_and_proposals(target, batch):
 
 
 def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
-    loss, stats = loss_and_metrics(make_drafter(randomize=True), target, batch, anchors=ANCHORS, anchor_valid=VALID)
+    loss, stats = loss_and_stats(make_drafter(randomize=True), target, batch, anchors=ANCHORS, anchor_valid=VALID)
     assert loss.dim() == 0 and loss.dtype == torch.float64 and loss.requires_grad, \
         f"loss {tuple(loss.shape)} {loss.dtype} requires_grad={loss.requires_grad}, want a float64 scalar with grad " \
         "(at least fp32: float64 under a float64 drafter)"
-    keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "oracle", "selector_tf_acc",
-            "walk_slot_acc", "al_walk", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
+    keys = {"loss", "unary_loss", "selector_loss"}
     assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
-    assert len(stats["slot_acc"]) == len(stats["walk_slot_acc"]) == B - 1, \
-        f"per-slot metrics {stats['slot_acc']}, {stats['walk_slot_acc']} should have B-1 = {B - 1} entries"
 
 
 def test_bf16_drafter_drafts_in_bf16_and_keeps_the_selector_q_in_fp32(target, batch):
@@ -492,13 +458,6 @@ def test_bf16_drafter_drafts_in_bf16_and_keeps_the_selector_q_in_fp32(target, ba
     anchor_ids = batch["input_ids"].gather(1, ANCHORS).view(-1)
     _, _, qb = bf16.propose(*proposal_inputs(target, hb), anchor_ids, 0.8)
     assert qb.dtype == torch.float32, f"selector q must stay fp32 under a bf16 drafter, got {qb.dtype}"
-
-
-def test_expected_acceptance_length_is_one_plus_the_leading_correct_slots():
-    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
-    want = [1 + leading_run(row) for row in correct.tolist()]
-    got = expected_acceptance_length(correct).tolist()
-    assert got == want, f"AL {got} != 1 + leading correct slots {want}"
 
 
 def test_default_gamma_is_the_published_value():
@@ -873,7 +832,7 @@ def test_sampled_walk_q_is_conditional_on_the_sampled_predecessor():
 
 
 # -----------------------------------------------------------------------------
-# loss and metrics (§6)
+# the loss (§6)
 
 
 def test_unary_and_selector_loss_equal_loops(target, batch):
@@ -1079,89 +1038,16 @@ def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monk
     kl = {}
     for shift in (-1, 0, 1):
         monkeypatch.setattr(drafter, "forward", echo_forward(G, shift))
-        _, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)
+        _, stats = loss_and_stats(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)
         kl[shift] = stats["unary_loss"]
-        if shift == 0:
-            assert stats["slot_acc"] == [1.0] * (B - 1), f"aligned drafter has slot accuracy {stats['slot_acc']}"
     assert kl[0] < 1e-6, f"KL is {kl[0]:.3g} for a drafter that outputs the target logits at a+k-1"
     assert min(kl[-1], kl[1]) > 0.05, f"KL for a drafter off by one position is only {kl}"
-
-
-@pytest.mark.parametrize("accept_at", [None, SERVED])
-def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
-    """§6 metrics against loops over the counted slots, on a stand-in drafter that is right
-    about half the time, so that no metric is trivially 0 or 1. The anchors include blocks
-    whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end.
-    The acceptance metrics at T = 1 unfiltered (None) and at a setting whose filters cut."""
-    drafter = make_drafter()
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        drafter.candidate_selector.successor_codebook.normal_(0, 0.5, generator=g)
-        drafter.candidate_selector.predecessor_codebook.normal_(0, 0.1, generator=g)
-        drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.1, generator=g)
-    anchors = torch.tensor([[2, 3, 5, 6, 8, 10, 12, 14, 15, 17, 18], [3, 4, 5, 7, 8, 9, 10, 12, 0, 0, 0]])
-    valid = torch.ones_like(anchors, dtype=torch.bool)
-    valid[1, 8:] = False
-    N = anchors.shape[1]
-    G = 10 * torch.randn(2, S, H, generator=g, dtype=torch.float64)
-    noise = 6 * torch.randn(2, N * B, H, generator=g, dtype=torch.float64)  # a drafter that is sometimes right
-    forward = echo_forward(G, noise=noise)
-    monkeypatch.setattr(drafter, "forward", forward)
-    ids, pos = block_layout(batch["input_ids"], anchors, B, MASK_ID)
-    h = forward(None, pos, None, None).view(2, N, B, H)
-    unary = target.lm_head(h[:, :, 1:])
-    batch, logits = with_last_hidden(batch, G), target.lm_head(G)
-    stats = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid,
-                         cfg=LossConfig(accept_at=accept_at))[1]
-    temperature, top_p, top_k = accept_at or (1.0, 1.0, 0)
-
-    sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
-    hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
-    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0}
-    for n, j, k, t in slots:
-        label = logits[n, t - 1].argmax().item()
-        u = unary[n, j, k - 1]
-        cand = ref_topk(u, 5)
-        scores = [ref_edge_score(sel, h[n, j, k], u, batch["input_ids"][n, t - 1].item(), c) for c in cand]
-        if (n, j) not in walks:
-            walks[n, j] = ref_greedy_walk(sel, h[n, j, 1:], unary[n, j], ids[n, j * B].item())
-        hits["unary"][n, j, k] = u.argmax().item() == label
-        hits["oracle"][n, j, k] = label in cand
-        hits["tf"][n, j, k] = cand[scores.index(max(scores))] == label
-        hits["walk"][n, j, k] = walks[n, j][k - 1] == label
-        p, q_unary = (ref_filtered_law(x, temperature, top_p, top_k) for x in (logits[n, t - 1], u))
-        q_sel = F.softmax(torch.tensor(scores) / temperature, 0)
-        accept["accept_unary"] += sum(min(x, q_unary.get(v, 0.0)) for v, x in p.items())
-        accept["accept_selector"] += sum(min(p.get(c, 0.0), q_sel[i].item()) for i, c in enumerate(cand))
-        accept["mass_at_k"] += sum(p.get(c, 0.0) for c in cand)
-
-    def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
-        blocks = [(n, j) for n, j, k, t in slots if k == 1]
-        return sum(1 + leading_run(hit.get((n, j, k), False) for k in range(1, B)) for n, j in blocks) / len(blocks)
-
-    def per_slot(hit, among):
-        return [sum(hit[s] for s in among if s[2] == k) / max(1, sum(s[2] == k for s in among)) for k in range(1, B)]
-
-    keys = [s[:3] for s in slots]
-    reached = [s for s in keys if all(hits["walk"].get((s[0], s[1], k), False) for k in range(1, s[2]))]
-    want = {"slot_acc": per_slot(hits["unary"], keys), "al_unary": mean_al(hits["unary"]),
-            "oracle": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
-            "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_walk": mean_al(hits["walk"]),
-            "walk_slot_acc": per_slot(hits["walk"], reached), **{k: v / len(keys) for k, v in accept.items()}}
-    for name, value in want.items():
-        got = stats[name]
-        assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
-                              atol=1e-6), f"{name}: {got} != loop {value}"
-    assert all(0 < x < 1 for x in stats["slot_acc"] + stats["walk_slot_acc"][:2]) \
-        and stats["al_unary"] not in (stats["al_walk"], stats["al_oracle"]) \
-        and 0 < stats["accept_selector"] < stats["mass_at_k"] < 1, \
-        f"metrics too degenerate to tell a wrong one from a right one: {stats}"
 
 
 def drafter_grads(target, batch, randomize=True, codebooks="free", **kw):
     """Gradients of the loss; top-K = V puts every label among the candidates."""
     drafter = make_drafter(randomize=randomize, selector_top_k=V, selector_codebooks=codebooks)
-    loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+    loss, stats = loss_and_stats(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     assert stats["selector_loss"] > 0, "no label in the top-K: the selector loss has no gradient to test"
     loss.backward()
     return {name: p.grad for name, p in drafter.named_parameters()}
@@ -1206,7 +1092,7 @@ def test_target_logits_are_lm_head_of_the_last_hidden_state(target, batch):
 
 def loss_and_grads(drafter, target, batch, **kw):
     drafter.zero_grad(set_to_none=True)
-    loss, stats = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
+    loss, stats = loss_and_stats(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(**kw))
     loss.backward()
     return loss.item(), stats, {name: p.grad.clone() for name, p in drafter.named_parameters()}
 
@@ -1290,7 +1176,7 @@ def test_the_compiled_loss_equals_the_eager_formula(target):
 def test_the_loss_skips_the_metrics(target, batch, monkeypatch):
     """dflash2_loss: no walk, no host sync; the loss terms come back as detached tensors."""
     drafter = make_drafter(randomize=True)
-    want = loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)[1]
+    want = loss_and_stats(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID)[1]
 
     def no_walk(*args, **kw):
         raise AssertionError("dflash2_loss walked the selector")
@@ -1326,7 +1212,7 @@ def test_drafter_overfits_a_fixed_batch():
     opt = torch.optim.AdamW(drafter.parameters(), lr=6e-3, weight_decay=0.0)
     losses = []
     for _ in range(50):
-        loss, _ = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid)
+        loss, _ = loss_and_stats(drafter, target, batch, anchors=anchors, anchor_valid=valid)
         opt.zero_grad()
         loss.backward()
         opt.step()

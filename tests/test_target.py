@@ -1,8 +1,8 @@
 """Tests of target.py and of train.py on a real-model path: the mask-token rule, what --target
-may name, a tiny random Llama folder (tied embeddings, GQA, a ChatML template, a tokenizer with
-no mask token and no free embedding row) through regeneration, training, export and speculative
-decoding, and a tiny Llama GGUF file written here. Everything is built on the spot; no downloads,
-CPU only."""
+may name, the drafter's config of a target, a tiny random Llama folder (tied embeddings, GQA, a
+ChatML template, a tokenizer with no mask token and no free embedding row) through regeneration,
+training, export and speculative decoding, and a tiny Llama GGUF file written here. Everything is
+built on the spot; no downloads, CPU only."""
 import json
 
 import numpy as np
@@ -144,6 +144,37 @@ def test_source_of_a_gguf_file_a_folder_and_a_hub_id(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match=r"^--target \S+weights.bin: a file that is not .gguf; expected a model "
                                          r"folder, a hub id or a GGUF file$"):
         target.source(str(tmp_path / "weights.bin"))
+
+
+# -----------------------------------------------------------------------------
+# the drafter's config of a target
+
+
+def qwen3_config():
+    """test_dflash2.py's target: 96 tokens, width 32, four layers of 4 query and 2 key-value heads of 8."""
+    return transformers.Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                    max_position_embeddings=256)
+
+
+def test_drafter_config_refuses_no_mask_token_unknown_fields_and_unknown_rope():
+    with pytest.raises(ValueError, match=r"drafter_config needs mask_token_id"):
+        target.drafter_config(qwen3_config())
+    with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
+        target.drafter_config(qwen3_config(), mask_token_id=95, blocksize=8)
+    with pytest.raises(ValueError, match=r"rope_type 'mrope' is not supported"):
+        target.drafter_config(qwen3_config(), mask_token_id=95, rope_scaling={"rope_type": "mrope", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"rope_type 'llama3' needs \['low_freq_factor'\]"):
+        target.drafter_config(qwen3_config(), mask_token_id=95,
+                              rope_scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0,
+                                            "original_max_position_embeddings": 64})
+
+
+def test_drafter_config_copies_the_target_shape():
+    c = target.drafter_config(qwen3_config(), mask_token_id=95)
+    got = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size,
+           c.num_target_layers, c.rope_theta)
+    assert got == (32, 64, 4, 2, 8, 96, 4, 1e4), f"drafter shape {got} differs from the target's"
 
 
 # -----------------------------------------------------------------------------

@@ -1,0 +1,174 @@
+"""Tests of metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
+slots, against loops over the counted slots, on test_dflash2.py's tiny random target, drafter, batch
+and loop references; nothing is downloaded.
+Run: python -m pytest tests/test_metrics.py -q
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
+from metrics import dflash2_metrics, expected_acceptance_length
+from test_dflash2 import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
+                          float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
+                          ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def target():
+    return make_target()
+
+
+@pytest.fixture(scope="module")
+def batch(target):
+    return make_batch(target)
+
+
+def loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig()):
+    """dflash2_loss and dflash2_metrics (of the loss's own slots) of a batch: (L, its stats as floats with the
+    §6 metrics)."""
+    view = target_view(drafter.config, target)
+    loss, stats, slots = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
+    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
+
+
+def leading_run(hits):
+    run = 0
+    for hit in hits:
+        if not hit:
+            break
+        run += 1
+    return run
+
+
+def assert_same_metrics(got, want, what, tol):
+    for key, value in want.items():
+        diff = (torch.tensor(got[key], dtype=torch.float64) - torch.tensor(value, dtype=torch.float64)).abs().max()
+        assert diff < tol, f"{what}: stats[{key!r}] {got[key]} != {value}"
+
+
+def test_expected_acceptance_length_is_one_plus_the_leading_correct_slots():
+    correct = torch.tensor([[1, 1, 0, 1], [0, 1, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    want = [1 + leading_run(row) for row in correct.tolist()]
+    got = expected_acceptance_length(correct).tolist()
+    assert got == want, f"AL {got} != 1 + leading correct slots {want}"
+
+
+def test_every_metric_comes_from_the_loss_own_drafter_pass(target, batch):
+    """The loss's stats and every §6 metric, per-slot ones B-1 long, after one drafter pass: the metrics
+    read the loss's own slots."""
+    drafter, seen = make_drafter(randomize=True), []
+    hook = drafter.register_forward_hook(lambda module, args, out: seen.append(out))
+    try:
+        _, stats = loss_and_metrics(drafter, target, batch)
+    finally:
+        hook.remove()
+    assert len(seen) == 1, f"the loss and its metrics ran the drafter {len(seen)} times, want once"
+    keys = {"loss", "unary_loss", "selector_loss", "slot_acc", "al_unary", "oracle", "selector_tf_acc",
+            "walk_slot_acc", "al_walk", "al_oracle", "accept_unary", "accept_selector", "mass_at_k"}
+    assert set(stats) == keys, f"stats keys differ: {set(stats) ^ keys}"
+    assert len(stats["slot_acc"]) == len(stats["walk_slot_acc"]) == B - 1, \
+        f"per-slot metrics {stats['slot_acc']}, {stats['walk_slot_acc']} should have B-1 = {B - 1} entries"
+
+
+def test_a_drafter_that_outputs_the_target_state_at_a_plus_k_minus_1_is_always_right(target, batch, monkeypatch):
+    drafter = make_drafter()
+    G = 10 * torch.randn(2, S, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    monkeypatch.setattr(drafter, "forward", echo_forward(G, 0))
+    _, stats = loss_and_metrics(drafter, target, with_last_hidden(batch, G))
+    assert stats["slot_acc"] == [1.0] * (B - 1), f"aligned drafter has slot accuracy {stats['slot_acc']}"
+
+
+@pytest.mark.parametrize("accept_at", [None, SERVED])
+def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
+    """§6 metrics against loops over the counted slots, on a stand-in drafter that is right
+    about half the time, so that no metric is trivially 0 or 1. The anchors include blocks
+    whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end.
+    The acceptance metrics at T = 1 unfiltered (None) and at a setting whose filters cut."""
+    drafter = make_drafter()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        drafter.candidate_selector.successor_codebook.normal_(0, 0.5, generator=g)
+        drafter.candidate_selector.predecessor_codebook.normal_(0, 0.1, generator=g)
+        drafter.candidate_selector.hidden_projection.weight.normal_(0, 0.1, generator=g)
+    anchors = torch.tensor([[2, 3, 5, 6, 8, 10, 12, 14, 15, 17, 18], [3, 4, 5, 7, 8, 9, 10, 12, 0, 0, 0]])
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, 8:] = False
+    N = anchors.shape[1]
+    G = 10 * torch.randn(2, S, H, generator=g, dtype=torch.float64)
+    noise = 6 * torch.randn(2, N * B, H, generator=g, dtype=torch.float64)  # a drafter that is sometimes right
+    forward = echo_forward(G, noise=noise)
+    monkeypatch.setattr(drafter, "forward", forward)
+    ids, pos = block_layout(batch["input_ids"], anchors, B, MASK_ID)
+    h = forward(None, pos, None, None).view(2, N, B, H)
+    unary = target.lm_head(h[:, :, 1:])
+    batch, logits = with_last_hidden(batch, G), target.lm_head(G)
+    stats = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid,
+                             cfg=LossConfig(accept_at=accept_at))[1]
+    temperature, top_p, top_k = accept_at or (1.0, 1.0, 0)
+
+    sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
+    hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
+    walks, accept = {}, {"accept_unary": 0.0, "accept_selector": 0.0, "mass_at_k": 0.0}
+    for n, j, k, t in slots:
+        label = logits[n, t - 1].argmax().item()
+        u = unary[n, j, k - 1]
+        cand = ref_topk(u, 5)
+        scores = [ref_edge_score(sel, h[n, j, k], u, batch["input_ids"][n, t - 1].item(), c) for c in cand]
+        if (n, j) not in walks:
+            walks[n, j] = ref_greedy_walk(sel, h[n, j, 1:], unary[n, j], ids[n, j * B].item())
+        hits["unary"][n, j, k] = u.argmax().item() == label
+        hits["oracle"][n, j, k] = label in cand
+        hits["tf"][n, j, k] = cand[scores.index(max(scores))] == label
+        hits["walk"][n, j, k] = walks[n, j][k - 1] == label
+        p, q_unary = (ref_filtered_law(x, temperature, top_p, top_k) for x in (logits[n, t - 1], u))
+        q_sel = F.softmax(torch.tensor(scores) / temperature, 0)
+        accept["accept_unary"] += sum(min(x, q_unary.get(v, 0.0)) for v, x in p.items())
+        accept["accept_selector"] += sum(min(p.get(c, 0.0), q_sel[i].item()) for i, c in enumerate(cand))
+        accept["mass_at_k"] += sum(p.get(c, 0.0) for c in cand)
+
+    def mean_al(hit):  # over blocks whose slot 1 counts; an uncounted slot ends the run
+        blocks = [(n, j) for n, j, k, t in slots if k == 1]
+        return sum(1 + leading_run(hit.get((n, j, k), False) for k in range(1, B)) for n, j in blocks) / len(blocks)
+
+    def per_slot(hit, among):
+        return [sum(hit[s] for s in among if s[2] == k) / max(1, sum(s[2] == k for s in among)) for k in range(1, B)]
+
+    keys = [s[:3] for s in slots]
+    reached = [s for s in keys if all(hits["walk"].get((s[0], s[1], k), False) for k in range(1, s[2]))]
+    want = {"slot_acc": per_slot(hits["unary"], keys), "al_unary": mean_al(hits["unary"]),
+            "oracle": sum(hits["oracle"].values()) / len(keys), "al_oracle": mean_al(hits["oracle"]),
+            "selector_tf_acc": sum(hits["tf"].values()) / len(keys), "al_walk": mean_al(hits["walk"]),
+            "walk_slot_acc": per_slot(hits["walk"], reached), **{k: v / len(keys) for k, v in accept.items()}}
+    for name, value in want.items():
+        got = stats[name]
+        assert torch.allclose(torch.tensor(got, dtype=torch.float64), torch.tensor(value, dtype=torch.float64),
+                              atol=1e-6), f"{name}: {got} != loop {value}"
+    assert all(0 < x < 1 for x in stats["slot_acc"] + stats["walk_slot_acc"][:2]) \
+        and stats["al_unary"] not in (stats["al_walk"], stats["al_oracle"]) \
+        and 0 < stats["accept_selector"] < stats["mass_at_k"] < 1, \
+        f"metrics too degenerate to tell a wrong one from a right one: {stats}"
+
+
+def test_metrics_do_not_depend_on_chunk_size_or_grad_checkpoint(target, batch, monkeypatch):
+    """The metrics walk chunk_size // (B - 1) blocks at a time: the same metrics at any chunk size, also ones
+    that do not divide the counted slots, in float64 to 1e-10, then with the real fp32 edge scores to fp32
+    rounding; and the same with grad_checkpoint."""
+    drafter = make_drafter(randomize=True, selector_top_k=WIDE_K)
+    n = len(counted_slots(batch, ANCHORS, VALID))
+    float64_scores(monkeypatch, drafter.candidate_selector)
+    for kw in (dict(loss_type="kl"),
+               dict(loss_type="ce", selector_labels="soft", soft_labels_at=SERVED)):
+        want = loss_and_metrics(drafter, target, batch, cfg=LossConfig(**kw))[1]
+        for chunk in (1, 5, n - 1, n, 10 * n):
+            assert_same_metrics(loss_and_metrics(drafter, target, batch, cfg=LossConfig(chunk_size=chunk, **kw))[1],
+                                want, f"{kw}, chunk_size {chunk} of {n} slots", 1e-10)
+    monkeypatch.undo()
+    assert_same_metrics(loss_and_metrics(drafter, target, batch, cfg=LossConfig(chunk_size=5))[1],
+                        loss_and_metrics(drafter, target, batch)[1], "fp32 edge scores, chunk_size 5", 1e-6)
+    drafter = make_drafter(randomize=True, selector_top_k=V)
+    want = loss_and_metrics(drafter, target, batch)[1]
+    drafter.grad_checkpoint = True
+    assert_same_metrics(loss_and_metrics(drafter, target, batch)[1], want, "grad_checkpoint", 1e-12)
