@@ -158,6 +158,12 @@ def config_fields(text):
     return fields
 
 
+class MergedFields(argparse.Action):
+    """--drafter-config given twice: the fields of both, the later's where they meet."""
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), **values})
+
+
 def add_drafter_flags(p):
     """The drafter's shape flags -> their argument group; drafter_fields reads them back."""
     g = p.add_argument_group("drafter")
@@ -166,10 +172,12 @@ def add_drafter_flags(p):
     g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
     g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables; both "
                    "0: plain DFlash)")
-    g.add_argument("--drafter-config", type=config_fields, default={}, metavar="JSON", help="other DFlash2Config "
-                   "fields, e.g. '{\"selector_rank\": 128, \"selector_codebooks\": \"factored\", \"target_layer_ids\": "
-                   "[1, 9, 17], \"mask_token_id\": 151669, \"sliding_window\": 2048, \"layer_types\": "
-                   "[\"sliding_attention\", \"full_attention\"]}' (dflash2.py and ALGORITHM.md say what each does)")
+    g.add_argument("--drafter-config", type=config_fields, action=MergedFields, default={}, metavar="JSON",
+                   help="other DFlash2Config fields, e.g. '{\"selector_rank\": 128, \"selector_codebooks\": "
+                   "\"factored\", \"target_layer_ids\": [1, 9, 17], \"mask_token_id\": 151669, \"sliding_window\": "
+                   "2048, \"layer_types\": [\"sliding_attention\", \"full_attention\"]}' (dflash2.py and ALGORITHM.md "
+                   "say what each does); "
+                   "given twice, the fields of both")
     return g
 
 

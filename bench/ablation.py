@@ -196,7 +196,8 @@ def ablation(args, settings):
     defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
-        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256"]
+        base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256",
+                "--drafter-config", '{"selector_rank": 16}']
     else:
         target_path, data_path = tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS)
         base = ["--steps", str(args.steps)] if args.steps else []

@@ -401,6 +401,13 @@ def test_selector_label_settings_parse_with_the_filters_left_out():
     assert (cfg.selector_labels, cfg.soft_labels_at) == ("soft", (1.0, 0.95, 20)), cfg
 
 
+def test_drafter_configs_given_twice_merge_the_later_winning():
+    args = train.parse_args(["--drafter-config", '{"selector_rank": 8, "conv_group_size": 8}',
+                             "--drafter-config", '{"selector_rank": 4, "selector_codebooks": "factored"}'])
+    want = {"selector_rank": 4, "conv_group_size": 8, "selector_codebooks": "factored"}
+    assert args.drafter_config == want and train.parse_args([]).drafter_config == {}, args.drafter_config
+
+
 @pytest.mark.parametrize("value, message", [
     ("{nope", "'{nope' is not JSON"), ("[1]", "'[1]' is not a JSON object of DFlash2Config fields"),
     ('{"selector_rnak": 8}', "unknown DFlash2Config fields ['selector_rnak']"),
