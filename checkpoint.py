@@ -169,7 +169,6 @@ def zlab_fields(raw, where):
     read = as_read({k: v for k, v in raw.items() if k not in ("architectures", "dflash_config", "auto_map")}, where)
     layer = {**raw, **{k: read.get(k) for k in ("layer_types", "sliding_window", "rope_parameters")}}
     fields = layer_fields(layer, where)
-    sliding = [i for i, t in enumerate(fields.get("layer_types") or []) if t == "sliding_attention"]
     causal = [i for i, t in enumerate(layer.get("layer_types") or []) if t == "sliding_attention"] if (
         raw.get("is_causal") is None) else list(range(fields["num_layers"])) if raw["is_causal"] else []
     if causal:

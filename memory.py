@@ -43,7 +43,7 @@ DRAFTER_BYTES_PER_PARAM = 16
 # compiler exists fuses some of them away, so there the plan is an upper bound
 LOSS_TENSORS_PER_SLOT = 6
 # train.py's loss: the slots whose (n, V) tensors live at once, recomputed in backward (the same loss and gradients
-# as all at once; 1,024 slots of a 150k vocabulary take 3.6 GB at 6 tensors a slot)
+# as all at once; 1,024 slots of a 152k vocabulary take 3.7 GB at 6 fp32 tensors a slot)
 LOSS_CHUNK = 1024
 
 

@@ -16,7 +16,7 @@ import checkpoint
 import regenerate
 import target
 import train
-from conftest import plain_greedy, tiny_drafter, tiny_qwen3
+from conftest import plain_greedy, tiny_qwen3
 from dflash2 import spec_generate, target_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
