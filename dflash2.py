@@ -459,7 +459,7 @@ class LossConfig:
     selector_labels: str = "argmax"      # π: "argmax" (one-hot on the target's token) or "soft" (its law on C)
     soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
     accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
-    chunk_size: int | None = None        # slots whose (slots, V) logits live at once, recomputed in backward
+    chunk_size: int | None = None        # slots whose logits live at once; several chunks are recomputed in backward
 
     def __post_init__(self):
         check_loss_config(self)
@@ -507,8 +507,9 @@ class Slots:
 
 def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     """The drafter over the batch's packed blocks, then the sums the §6 loss divides over the counted slots, chunk_size
-    at a time (their (n, V) logits recomputed in backward). sums_fn: slot_sums or it compiled; forward: the drafter's
-    (data parallel: its DDP wrapper). -> ({unary, unary_weight (Σ w), selector, selector_weight}, Slots)."""
+    at a time (with more than one chunk, their (n, V) logits recomputed in backward). sums_fn: slot_sums or it
+    compiled; forward: the drafter's (data parallel: its DDP wrapper). -> ({unary, unary_weight (Σ w), selector,
+    selector_weight}, Slots)."""
     cfg = cfg or LossConfig()
     c, (b, S), N = drafter.config, batch.input_ids.shape, batch.anchors.shape[1]
     ids, pos = block_layout(batch.input_ids, batch.anchors, c.block_size, c.mask_token_id)
@@ -525,10 +526,10 @@ def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     idx = counted.flatten().nonzero().squeeze(-1)  # only counted slots reach the vocabulary
     h_c, g_c, prev_c, w_c = (x.flatten(0, 2)[idx] for x in (slots.h, slots.g, slots.prev, w))
     n = cfg.chunk_size or max(1, len(idx))
-    parts = []
+    recompute, parts = len(idx) > n, []  # one chunk: recomputing it would bound nothing (its backward comes first)
     for i in range(0, max(1, len(idx)), n):
         chunk = (view, drafter.candidate_selector, cfg, h_c[i:i + n], g_c[i:i + n], prev_c[i:i + n], w_c[i:i + n])
-        parts.append(torch.utils.checkpoint.checkpoint(sums_fn, *chunk, use_reentrant=False) if cfg.chunk_size
+        parts.append(torch.utils.checkpoint.checkpoint(sums_fn, *chunk, use_reentrant=False) if recompute
                      else sums_fn(*chunk))
     sums = {k: sum(p[k] for p in parts) for k in parts[0]}
     return {**sums, "unary_weight": w.sum()}, slots

@@ -16,7 +16,7 @@ Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one l
                  loss) + the activations the drafter saves for backward over N·B block
                  tokens and S context tokens, every layer's (or, with grad checkpointing,
                  only each layer's input);
-  loss chunk   = the (chunk, V) fp32 tensors of one chunk of slots, recomputed in backward;
+  loss chunk   = the (chunk, V) fp32 tensors of one chunk of slots (LOSS_CHUNK_LOGITS / V slots);
   one layer    = with grad checkpointing, the layer being recomputed in backward (after the
                  loss chunks are done, so the two do not add up); 0 otherwise.
 The activation counts follow the tensors autograd saves in dflash2.py's drafter (fp32
@@ -42,9 +42,16 @@ DRAFTER_BYTES_PER_PARAM = 16
 # gradient with its input's; 6 fits the measured peaks. The compiled loss train.py runs where a
 # compiler exists fuses some of them away, so there the plan is an upper bound
 LOSS_TENSORS_PER_SLOT = 6
-# train.py's loss: the slots whose (n, V) tensors live at once, recomputed in backward (the same loss and gradients
-# as all at once; 1,024 slots of a 152k vocabulary take 3.7 GB at 6 fp32 tensors a slot)
-LOSS_CHUNK = 1024
+# train.py's loss holds at most this many slot × vocabulary logits at once: 1,024 slots of Qwen3's 151,936-token
+# vocabulary, 3.7 GB at 6 fp32 tensors a slot. A step with more slots takes them a chunk at a time, each recomputed
+# in backward (the same loss and gradients); a step whose slots all fit recomputes nothing, which on a CPU at
+# SmolLM2's 49,152 tokens takes a third off the step (bench/RESULTS.md)
+LOSS_CHUNK_LOGITS = 1024 * 151_936
+
+
+def train_loss_chunk(vocab_size):
+    """train.py's loss chunk at this vocabulary: the slots whose (n, V) tensors live at once."""
+    return max(1, LOSS_CHUNK_LOGITS // vocab_size)
 
 
 def drafter_config(target_config, **overrides):
@@ -83,17 +90,19 @@ def layer_bytes(c, amp):
     return block, key, ctx
 
 
-def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk=LOSS_CHUNK, grad_checkpoint=False,
+def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk="train", grad_checkpoint=False,
                 gpu_memory_gib=80.0, amp=True, target_bytes=2, **drafter_overrides):
-    """Estimated peak bytes of one training step per GPU, split into parts; loss_chunk None
-    is the unchunked loss. -> dict of bytes (ints) plus max_batch_size (0 if not even one
-    sequence fits gpu_memory_gib) and the shape it assumed."""
-    if loss_chunk is not None and loss_chunk < 1:
+    """Estimated peak bytes of one training step per GPU, split into parts; loss_chunk: slots,
+    "train" for train.py's (train_loss_chunk(V)) or None for the unchunked loss. -> dict of bytes
+    (ints) plus max_batch_size (0 if not even one sequence fits gpu_memory_gib) and the shape
+    it assumed."""
+    if loss_chunk not in ("train", None) and loss_chunk < 1:
         raise ValueError(f"loss_chunk ({loss_chunk}) must be >= 1 (or None for the unchunked loss)")
     for name, value in (("seq_len", seq_len), ("max_anchors", max_anchors), ("batch_size", batch_size)):
         if value < 1:
             raise ValueError(f"{name} ({value}) must be >= 1")
     c = drafter_config(target_config, **drafter_overrides)
+    loss_chunk = train_loss_chunk(c.vocab_size) if loss_chunk == "train" else loss_chunk
     n_target, n_drafter = parameter_counts(target_config, c)
     S, B, H, V = seq_len, c.block_size, c.hidden_size, c.vocab_size
     N = min(max_anchors, S - 1)
@@ -169,7 +178,7 @@ def add_step_flags(p):
 def run_plan(args, gpu_memory_gib, grad_checkpoint=False):
     """The plan of a run from its parsed flags (the step's and the drafter's, shared with train.py) and the
     target's config."""
-    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size, LOSS_CHUNK,
+    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size, "train",
                        grad_checkpoint, gpu_memory_gib, **target.drafter_fields(args))
 
 

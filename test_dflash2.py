@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from conftest import tiny_qwen3
 from dflash2 import (Batch, CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
                      TargetView, block_attention_mask, block_layout, block_slots, context_features, default_gamma,
-                     default_target_layer_ids, dflash2_loss, local_conv, sample_anchors, slot_sums, target_view)
+                     default_target_layer_ids, dflash2_loss, local_conv, loss_sums, sample_anchors, slot_sums,
+                     target_view)
 
 V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
 MASK_ID = V - 1           # never drawn as a data token
@@ -1137,6 +1138,20 @@ def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):
     monkeypatch.undo()
     assert_same_loss(loss_and_grads(drafter, target, batch, chunk_size=5), loss_and_grads(drafter, target, batch),
                      "fp32 edge scores, chunk_size 5", 1e-6)
+
+
+def test_only_a_loss_of_several_chunks_is_recomputed_in_backward(target, batch):
+    """The formula runs once per chunk in forward and, only when the slots take more than one chunk, once more per
+    chunk in backward: a single chunk's recompute would bound no memory (its backward comes first) and cost a
+    forward of the vocabulary-wide products."""
+    drafter = make_drafter(randomize=True)
+    view, n = target_view(drafter.config, target), len(counted_slots(batch, ANCHORS, VALID))
+    for chunk, want in ((None, 1), (n, 1), (10 * n, 1), (n - 1, 4), (5, 2 * -(-n // 5))):
+        calls = []
+        counting = lambda *args: calls.append(1) or slot_sums(*args)
+        sums, _ = loss_sums(drafter, view, loss_batch(batch), LossConfig(chunk_size=chunk), counting)
+        sum(v for k, v in sums.items() if not k.endswith("weight")).backward()
+        assert len(calls) == want, f"chunk_size {chunk} of {n} slots: the formula ran {len(calls)} times, want {want}"
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated")  # torch's own, inductor imports it

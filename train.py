@@ -28,7 +28,7 @@ from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, r
                         save_checkpoint, with_parts)
 from data import (add_data_flags, anchor_seed, at_least, collate, data_stream, load_rows, parse_template_kwargs,
                   row_anchors, split_rows)
-from memory import LOSS_CHUNK, add_step_flags, fitting_plan
+from memory import add_step_flags, fitting_plan, train_loss_chunk
 from metrics import decoding_eval, dflash2_metrics
 from target import (add_drafter_flags, drafter_config, drafter_fields, feature_cache, feature_choice,
                     load_checked_target, load_config, load_tokenizer, mask_token, rope_tables, target_features,
@@ -112,11 +112,12 @@ def step_inputs(target, batch, layer_ids, max_anchors, seeds, features=None, row
             features.features(target, ids, attn, rows))
     return Batch(ids, attn, loss_mask, f, g, *row_anchors(loss_mask, max_anchors, seeds))
 
-def loss_config(args, accept_at=None):
-    """The loss flags as dflash2.LossConfig (checked once); accept_at: the acceptance metrics' setting."""
+def loss_config(args, vocab_size, accept_at=None):
+    """The loss flags as dflash2.LossConfig (checked once), its chunk memory.train_loss_chunk's at the target's
+    vocabulary; accept_at: the acceptance metrics' setting."""
     labels, soft_labels_at = args.selector_labels
     return LossConfig(loss_type=args.loss, gamma=GAMMA, alpha=ALPHA, selector_labels=labels,
-                      soft_labels_at=soft_labels_at, accept_at=accept_at, chunk_size=LOSS_CHUNK)
+                      soft_labels_at=soft_labels_at, accept_at=accept_at, chunk_size=train_loss_chunk(vocab_size))
 
 def compiled_loss(device, log):
     """dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count) where the device
@@ -189,10 +190,11 @@ def evaluate(drafter, target, tokenizer, val, args, log, prompts=0):
     """The validation rows' loss and §6 metrics, logged, then spec_generate on the first `prompts` rows' prompts (all
     before the first answer token). -> {val: stats, al_t0 and al_t1 when it decoded}."""
     seeds = [-1 - anchor_seed(args.seed, i) for i in range(len(val))]
-    cfg, view, stats, b = loss_config(args), target_view(drafter.config, target), [], args.batch_size
+    c, stats, b = drafter.config, [], args.batch_size
+    cfg, view = loss_config(args, c.vocab_size), target_view(c, target)
     for i in range(0, len(val), b):
         batch = step_inputs(target, collate(val[i:i + b], tokenizer.pad_token_id, target.device),
-                            drafter.config.target_layer_ids, args.max_anchors, seeds[i:i + b])
+                            c.target_layer_ids, args.max_anchors, seeds[i:i + b])
         _, terms, slots = loss_step(drafter, view, target, batch, cfg)
         stats.append(step_stats(drafter, view, target, slots, cfg, terms))
     s = mean_stats(stats)
@@ -279,7 +281,8 @@ def train(args, decode_prompts=EVAL_PROMPTS):
     # the forward must go through it: one that does not leaves the gradients unreduced and the replicas drift apart
     ddp = DistributedDataParallel(drafter) if world > 1 else None
     os.makedirs(args.out_dir, exist_ok=True)
-    c, loss_cfg, sums_fn = drafter.config, loss_config(args), compiled_loss(device, log)
+    c, sums_fn = drafter.config, compiled_loss(device, log)
+    loss_cfg = loss_config(args, c.vocab_size)
     view = target_view(c, target)
     features = feature_cache(args.cache_target_features, target, c, train_rows, total * global_batch, args.out_dir, log)
     export = {"dtype": EXPORT_DTYPE, "embedding": target.get_input_embeddings()}

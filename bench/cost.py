@@ -30,7 +30,7 @@ import torch
 import dflash2
 from bench.common import (QWEN3_4B, median, median_seconds, qwen3_config, random_target, round_ratio_ci,
                           round_seconds, write_results)
-from memory import drafter_config, memory_plan
+from memory import drafter_config, memory_plan, train_loss_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -246,7 +246,7 @@ def train_part(device, repeats, quick):
         torch.manual_seed(0)
         drafter = dflash2.DFlash2Drafter(c).to(device)
         optimizer = train.make_optimizer(drafter.parameters(), lr=1e-6)
-        cfg, view = dflash2.LossConfig(), dflash2.target_view(c, target)
+        cfg, view = dflash2.LossConfig(chunk_size=train_loss_chunk(c.vocab_size)), dflash2.target_view(c, target)
         sums_fn = train.compiled_loss(device, print) if compiled else dflash2.slot_sums
         features = None
         if mode == "cached":

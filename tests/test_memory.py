@@ -188,7 +188,7 @@ def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_a
     plan = memory.main(memory.parse_args(["--target", str(tmp_path), "--seq-len", "64", "--max-anchors", "8",
                                           "--batch-size", "2", "--block-size", "4", "--gpu-memory-gib", "0.001"]),
                        lines.append)
-    want = memory.memory_plan(small, 64, 8, 2, 1024, False, 0.001, num_layers=2, block_size=4, conv_kernel_size=2,
+    want = memory.memory_plan(small, 64, 8, 2, memory.train_loss_chunk(128), False, 0.001, num_layers=2, block_size=4, conv_kernel_size=2,
                               selector_rank=256, selector_top_k=16, selector_codebooks="free")
     assert plan == want, f"memory.py's plan {plan} is not memory_plan's for the same shape {want}"
     assert lines == [memory.format_plan(want)] and "largest batch in 0.001 GiB:  0" in lines[0], lines
@@ -254,6 +254,18 @@ def test_the_plan_counts_the_factored_selectors_parameters(tmp_path):
             f"{books} codebooks: the plan counts {plan['drafter_params']} drafter parameters " \
             f"({plan['drafter_states']} bytes), a real drafter has {want} (16 bytes each)"
     assert plans["free"]["drafter_params"] != plans["factored"]["drafter_params"], "the two selectors are one size"
+
+
+def test_train_py_loss_chunk_holds_the_same_logits_at_every_vocabulary():
+    """train.py's chunk is the most slots whose logits fit LOSS_CHUNK_LOGITS (1,024 at Qwen3's vocabulary), at least
+    one; train.py's loss config and the plan both take it."""
+    for vocab, want in ((151936, 1024), (49152, 3165), (128, 1_215_488), (2 * 1024 * 151936, 1)):
+        got = memory.train_loss_chunk(vocab)
+        assert got == want and (got * vocab <= memory.LOSS_CHUNK_LOGITS or got == 1), \
+            f"vocabulary {vocab}: a chunk of {got} slots, want {want}"
+    assert train.loss_config(train.parse_args([]), 49152).chunk_size == 3165
+    plan = memory.memory_plan(qwen3_config(**dict(SMALL, vocab=49152)), 3072, 512, block_size=16)
+    assert plan["shape"]["loss_chunk"] == 3165, plan["shape"]
 
 
 def test_an_unchunked_loss_plans_what_one_chunk_of_every_slot_plans():

@@ -397,7 +397,7 @@ def test_selector_label_settings_parse_with_the_filters_left_out():
     for text, want in (("argmax", ("argmax", None)), ("soft", ("soft", None)), ("0.7", ("soft", (0.7, 1.0, 0))),
                        ("1,0.95", ("soft", (1.0, 0.95, 0))), ("1,0.95,20", ("soft", (1.0, 0.95, 20)))):
         assert train.parse_args(["--selector-labels", text]).selector_labels == want, text
-    cfg = train.loss_config(train.parse_args(["--selector-labels", "1,0.95,20"]))
+    cfg = train.loss_config(train.parse_args(["--selector-labels", "1,0.95,20"]), 49152)
     assert (cfg.selector_labels, cfg.soft_labels_at) == ("soft", (1.0, 0.95, 20)), cfg
 
 
@@ -597,7 +597,7 @@ def step(drafter, target, batch, args, sums_fn=dflash2.slot_sums, **kw):
     drafter.zero_grad(set_to_none=True)
     inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, args.max_anchors, [1, 2, 3], **kw)
     view = dflash2.target_view(drafter.config, target)
-    loss, _, _ = train.loss_step(drafter, view, target, inputs, train.loss_config(args), sums_fn)
+    loss, _, _ = train.loss_step(drafter, view, target, inputs, train.loss_config(args, drafter.config.vocab_size), sums_fn)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
