@@ -45,7 +45,7 @@ LOSS_TENSORS_PER_SLOT = 6
 # train.py's loss holds at most this many slot × vocabulary logits at once: 1,024 slots of Qwen3's 151,936-token
 # vocabulary, 3.7 GB at 6 fp32 tensors a slot. A step with more slots takes them a chunk at a time, each recomputed
 # in backward (the same loss and gradients); a step whose slots all fit recomputes nothing, which on a CPU at
-# SmolLM2's 49,152 tokens takes a third off the step (bench/RESULTS.md)
+# SmolLM2's 49,152 tokens takes a third off the cached step (bench/RESULTS.md)
 LOSS_CHUNK_LOGITS = 1024 * 151_936
 
 
