@@ -1146,7 +1146,7 @@ def test_only_a_loss_of_several_chunks_is_recomputed_in_backward(target, batch):
     forward of the vocabulary-wide products."""
     drafter = make_drafter(randomize=True)
     view, n = target_view(drafter.config, target), len(counted_slots(batch, ANCHORS, VALID))
-    for chunk, want in ((None, 1), (n, 1), (10 * n, 1), (n - 1, 4), (5, 2 * -(-n // 5))):
+    for chunk, want in ((None, 1), (n, 1), (10 * n, 1), (n - 1, 4), (5, 2 * math.ceil(n / 5))):
         calls = []
         counting = lambda *args: calls.append(1) or slot_sums(*args)
         sums, _ = loss_sums(drafter, view, loss_batch(batch), LossConfig(chunk_size=chunk), counting)

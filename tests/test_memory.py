@@ -188,8 +188,8 @@ def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_a
     plan = memory.main(memory.parse_args(["--target", str(tmp_path), "--seq-len", "64", "--max-anchors", "8",
                                           "--batch-size", "2", "--block-size", "4", "--gpu-memory-gib", "0.001"]),
                        lines.append)
-    want = memory.memory_plan(small, 64, 8, 2, memory.train_loss_chunk(128), False, 0.001, num_layers=2, block_size=4, conv_kernel_size=2,
-                              selector_rank=256, selector_top_k=16, selector_codebooks="free")
+    want = memory.memory_plan(small, 64, 8, 2, memory.train_loss_chunk(128), False, 0.001, num_layers=2, block_size=4,
+                              conv_kernel_size=2, selector_rank=256, selector_top_k=16, selector_codebooks="free")
     assert plan == want, f"memory.py's plan {plan} is not memory_plan's for the same shape {want}"
     assert lines == [memory.format_plan(want)] and "largest batch in 0.001 GiB:  0" in lines[0], lines
     assert plan["target_weights"] == 2 * sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()), plan

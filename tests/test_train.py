@@ -597,7 +597,8 @@ def step(drafter, target, batch, args, sums_fn=dflash2.slot_sums, **kw):
     drafter.zero_grad(set_to_none=True)
     inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, args.max_anchors, [1, 2, 3], **kw)
     view = dflash2.target_view(drafter.config, target)
-    loss, _, _ = train.loss_step(drafter, view, target, inputs, train.loss_config(args, drafter.config.vocab_size), sums_fn)
+    cfg = train.loss_config(args, drafter.config.vocab_size)
+    loss, _, _ = train.loss_step(drafter, view, target, inputs, cfg, sums_fn)
     loss.backward()
     return loss.item(), {n: p.grad.clone() for n, p in drafter.named_parameters()}
 
