@@ -176,8 +176,7 @@ def add_drafter_flags(p):
                    help="other DFlash2Config fields, e.g. '{\"selector_rank\": 128, \"selector_codebooks\": "
                    "\"factored\", \"target_layer_ids\": [1, 9, 17], \"mask_token_id\": 151669, \"sliding_window\": "
                    "2048, \"layer_types\": [\"sliding_attention\", \"full_attention\"]}' (dflash2.py and ALGORITHM.md "
-                   "say what each does); "
-                   "given twice, the fields of both")
+                   "say what each does); given twice, the fields of both, the later's where they meet")
     return g
 
 
