@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import DFlash2Drafter, sampling_probs
-from target import drafter_config
+from harness.target import drafter_config
 
 
 @pytest.fixture(scope="module")

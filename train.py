@@ -24,16 +24,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dflash2 import (Batch, DFlash2Drafter, LossConfig, check_sampling, check_target_shape, loss_from_sums, loss_sums,
                      slot_sums, target_view)
-from checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
-                        save_checkpoint, with_parts)
-from data import (add_data_flags, anchor_seed, at_least, collate, data_stream, load_rows, parse_template_kwargs,
-                  row_anchors, split_rows)
-from memory import add_step_flags, fitting_plan, train_loss_chunk
-from metrics import decoding_eval, dflash2_metrics
-from target import (add_drafter_flags, drafter_config, drafter_fields, feature_cache, feature_choice,
-                    load_checked_target, load_config, load_tokenizer, mask_token, rope_tables, target_features,
-                    weights_fingerprint)
-from tiny_world import offline_world
+from harness.checkpoint import (check_out_dir, check_resume, load_export, plot_curves, record, resume, run_identity,
+                                save_checkpoint, with_parts)
+from harness.data import (add_data_flags, anchor_seed, at_least, collate, data_stream, load_rows, parse_template_kwargs,
+                          row_anchors, split_rows)
+from harness.memory import add_step_flags, fitting_plan, train_loss_chunk
+from harness.metrics import decoding_eval, dflash2_metrics
+from harness.target import (add_drafter_flags, drafter_config, drafter_fields, feature_cache, feature_choice,
+                            load_checked_target, load_config, load_tokenizer, mask_token, rope_tables, target_features,
+                            weights_fingerprint)
+from harness.tiny_world import offline_world
 
 # -----------------------------------------------------------------------------
 # settings nobody needs to turn (the optimizer's and the loss's are the write-up's, ALGORITHM.md §6)

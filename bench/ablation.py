@@ -32,10 +32,9 @@ import time
 
 import torch
 
-import checkpoint
 import dflash2
-import tiny_world
-from target import decoding_view
+from harness import checkpoint, tiny_world
+from harness.target import decoding_view
 from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
@@ -170,7 +169,7 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
     min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
     metrics at the sampling setting accept_at (None: T = 1, no filter)."""
     import train
-    from data import collate
+    from harness.data import collate
     total, n_blocks, rounds = {}, 0, 0
     while n_blocks < min_blocks:
         for i in range(0, len(val), targs.batch_size):

@@ -30,7 +30,7 @@ import torch
 import dflash2
 from bench.common import (QWEN3_4B, median, median_seconds, qwen3_config, random_target, round_ratio_ci,
                           round_seconds, write_results)
-from memory import drafter_config, memory_plan, train_loss_chunk
+from harness.memory import drafter_config, memory_plan, train_loss_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -105,7 +105,7 @@ def draft_step(drafter, target, context):
     in its cache (put there now, from random features), then propose: top-K and the walk, or
     the unary argmax with the selector off. -> (forward, step): forward() -> (h, unary
     logits, anchor), propose's inputs; step() = propose(*forward())."""
-    from target import decoding_view
+    from harness.target import decoding_view
     c, dtype, dev = drafter.config, drafter.fc.weight.dtype, target.device
     view = decoding_view(c, target)
     anchor = torch.ones(1, dtype=torch.long, device=dev)  # any token
@@ -167,7 +167,7 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
     """One optimizer step as train.py takes it, loss_mask = all ones: the target's decoder
     with hidden states (its lm_head only inside the loss), anchors, the loss without
     metrics under bf16 autocast on CUDA, backward, AdamW. -> loss (tensor)."""
-    from target import target_features
+    from harness.target import target_features
     ones = torch.ones_like(ids)
     context, last = target_features(target, ids, ones, drafter.config.target_layer_ids)
     anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
@@ -224,7 +224,7 @@ def train_part(device, repeats, quick):
     interleaved; each step's floor is its product FLOPs at this machine's product rate, timed in the same
     rounds."""
     import train
-    from target import TargetFeatures, native_bf16_cpu
+    from harness.target import TargetFeatures, native_bf16_cpu
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -289,7 +289,7 @@ def train_part(device, repeats, quick):
 
 def cpu_model():
     """This CPU's model name and whether it multiplies bf16 in hardware, for the report."""
-    from target import native_bf16_cpu
+    from harness.target import native_bf16_cpu
     name = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:

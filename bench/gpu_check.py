@@ -33,12 +33,11 @@ import traceback
 
 import torch
 
-import checkpoint
 import dflash2
-import tiny_world
+from harness import checkpoint, tiny_world
 from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
-from memory import GiB, drafter_config, memory_plan
+from harness.memory import GiB, drafter_config, memory_plan
 
 # small shapes of the CPU smoke run
 SMOKE_TARGET = dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024)

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 import transformers
 
-import checkpoint
+from harness import checkpoint
 from conftest import tiny_drafter, tiny_qwen3
 from dflash2 import DFlash2Drafter, context_features, spec_generate
 

@@ -7,8 +7,7 @@ import re
 import pytest
 import torch
 
-import data
-import tiny_world
+from harness import data, tiny_world
 
 # -----------------------------------------------------------------------------
 # assistant masks: templates that reproduce the common families

@@ -1,4 +1,4 @@
-"""Tests of memory.py (the plan `python memory.py` prints) and of the memory the loss
+"""Tests of memory.py (the plan `python -m harness.memory` prints) and of the memory the loss
 allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
 table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
 the flags the plan reads (memory.py's and train.py's GPU check alike), and bad input. Nothing
@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-import memory
+from harness import memory
 import train
-from target import drafter_config, load_config
+from harness.target import drafter_config, load_config
 from bench import cost
 from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
@@ -177,7 +177,7 @@ def test_factored_selector_trains_the_write_ups_two_million_parameters_at_qwen3_
 
 
 # -----------------------------------------------------------------------------
-# python memory.py
+# python -m harness.memory
 
 
 def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_alone(tmp_path):
@@ -302,8 +302,8 @@ def test_the_shared_shape_flags_refuse_small_values_in_the_parser(flag, value, l
 
 
 def test_memory_script_exits_with_one_line():
-    done = subprocess.run([sys.executable, "memory.py", "--seq-len", "8"], capture_output=True, text=True,
-                          cwd=os.path.dirname(memory.__file__))
+    done = subprocess.run([sys.executable, "-m", "harness.memory", "--seq-len", "8"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(memory.__file__)))
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
-        "memory.py: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
+        "harness.memory: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
         ".gguf file); the offline demo's tiny target needs no plan"], done.stderr

@@ -14,16 +14,14 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import checkpoint
 import dflash2
-import memory
-import regenerate as regenerate_module
-import target as target_module
-import tiny_world
 import train
+from harness import checkpoint, memory, tiny_world
+from harness import regenerate as regenerate_module
+from harness import target as target_module
 from conftest import plain_greedy, tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
-from target import drafter_config
+from harness.target import drafter_config
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
@@ -214,7 +212,7 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
 
 
 def export_job(world, out, *extra):
-    """python checkpoint.py on the test target: its export in `out` -> what it printed."""
+    """python -m harness.checkpoint on the test target: its export in `out` -> what it printed."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         checkpoint.main(checkpoint.parse_args(["--target", world["target"], "--out", str(out), *extra]))

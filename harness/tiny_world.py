@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from regenerate import regenerate_conversations
+from harness.regenerate import regenerate_conversations
 
 # ChatML; {% generation %} marks assistant tokens, so return_assistant_tokens_mask works
 CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"

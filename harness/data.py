@@ -5,7 +5,7 @@ Chat data -> training rows for train.py (ALGORITHM.md §6 Data).
     rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)            # input_ids / loss_mask
     ids, attention_mask, loss_mask = collate(rows[0:8], tokenizer.pad_token_id, device)
 
-(The target's own answers, on-policy data, are regenerate.py's job.)
+(The target's own answers, on-policy data, are harness/regenerate.py's job.)
 
 A conversation is a list of {"role": system | user | assistant | tool, "content": str, ...}:
 every other field of a message (tool_calls, reasoning_content / reasoning / thinking,

@@ -2,7 +2,7 @@
 On-policy data: every assistant turn answered again by the target itself, because the
 drafter's job is to predict what the target says, not what the corpus says (ALGORITHM.md §6).
 
-    python regenerate.py --target Qwen/Qwen3-4B --data prompts.jsonl --out chats.jsonl [--temperature 1 ...]
+    python -m harness.regenerate --target Qwen/Qwen3-4B --data prompts.jsonl --out chats.jsonl [--temperature 1 ...]
     conversations = regenerate_conversations(target, tokenizer, conversations)   # in memory
     regenerate_file(target, tokenizer, "prompts.jsonl", "chats.jsonl", temperature=1.0, seed=0, ...)   # resumable
 
@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 import dflash2
-from data import (REASONING, add_data_flags, located_conversations, parse_template_kwargs, read_conversations, render,
-                  template_facts)
-from target import load_target, load_tokenizer
+from harness.data import (REASONING, add_data_flags, located_conversations, parse_template_kwargs, read_conversations,
+                          render, template_facts)
+from harness.target import load_target, load_tokenizer
 
 
 @torch.no_grad()
@@ -235,4 +235,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"regenerate.py: {e}") from None
+        raise SystemExit(f"harness.regenerate: {e}") from None

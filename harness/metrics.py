@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-from target import decoding_dtype, decoding_view
+from harness.target import decoding_dtype, decoding_view
 
 
 def expected_acceptance_length(correct):

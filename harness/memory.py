@@ -2,7 +2,7 @@
 The memory plan of DFlash2 training on one GPU, read off the target's config before any
 weight is loaded:
 
-    python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
+    python -m harness.memory --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
 
 prints it for train.py's shape flags (declared once: the step's here, the drafter's in target.py)
 and --gpu-memory-gib (80). On a GPU, train.py plans for the device's total memory
@@ -30,9 +30,9 @@ import argparse
 import torch
 
 import dflash2
-import target
-from data import at_least
-from target import load_config  # by name: the tests replace it
+from harness import target
+from harness.data import at_least
+from harness.target import load_config  # by name: the tests replace it
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
@@ -137,7 +137,7 @@ def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk="t
 
 
 def format_plan(plan):
-    """The plan as the lines `python memory.py` prints."""
+    """The plan as the lines `python -m harness.memory` prints."""
     s = plan["shape"]
     gib = lambda x: f"{x / GiB:7.2f} GiB"
     lines = [f"memory plan: seq {s['seq_len']}, {s['anchors']} anchors, B={s['block_size']}, batch "
@@ -161,7 +161,7 @@ def check_fits(plan):
         hint = (f"--batch-size {plan['max_batch_size']} fits" if plan["max_batch_size"] else
                 "not even one sequence fits: try a smaller --max-anchors or --seq-len")
         raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.3g} GiB per GPU, more than "
-                         f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python memory.py prints the plan)")
+                         f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python -m harness.memory prints the plan)")
 
 
 def add_step_flags(p):
@@ -190,7 +190,7 @@ def fitting_plan(args, gpu_memory_gib, log=print):
         plan = run_plan(args, gpu_memory_gib, grad_checkpoint=True)
         check_fits(plan)
         log(f"recomputing each draft layer in backward: without, batch {args.batch_size} does not fit "
-            f"{gpu_memory_gib:.3g} GiB (python memory.py prints the plan)")
+            f"{gpu_memory_gib:.3g} GiB (python -m harness.memory prints the plan)")
     return plan["shape"]["grad_checkpoint"]
 
 
@@ -223,4 +223,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"memory.py: {e}") from None
+        raise SystemExit(f"harness.memory: {e}") from None

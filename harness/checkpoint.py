@@ -8,8 +8,8 @@ name and renamed into place. This file imports dflash2.py, never the other way r
 
 As a script it writes an export for serving and prints the engines' commands for it:
 
-    python checkpoint.py --target Qwen/Qwen3-4B --out untrained --block-size 16   # before training: does it load?
-    python checkpoint.py --target Qwen/Qwen3-4B --from out/checkpoint --out spec --format speculators
+    python -m harness.checkpoint --target Qwen/Qwen3-4B --out untrained --block-size 16   # does an engine load it?
+    python -m harness.checkpoint --target Qwen/Qwen3-4B --from out/checkpoint --out spec --format speculators
 """
 import argparse
 import dataclasses
@@ -24,8 +24,8 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-import target
-from target import known_fields, rope_tables
+from harness import target
+from harness.target import known_fields, rope_tables
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -503,7 +503,7 @@ def save_checkpoint(drafter, optimizer, step, out_dir, export, meta):
 
 
 # -----------------------------------------------------------------------------
-# the export job: python checkpoint.py
+# the export job: python -m harness.checkpoint
 
 
 def served_target(target_name):
@@ -574,4 +574,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"checkpoint.py: {e}") from None
+        raise SystemExit(f"harness.checkpoint: {e}") from None

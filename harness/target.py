@@ -27,7 +27,7 @@ import torch
 import transformers
 
 import dflash2
-from data import at_least, load_chat_template
+from harness.data import at_least, load_chat_template
 
 
 def source(target):
