@@ -33,7 +33,7 @@ import time
 import torch
 
 import dflash2
-from harness import checkpoint, tiny_world
+from harness import checkpoint, metrics, tiny_world
 from harness.target import decoding_view
 from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
@@ -180,7 +180,7 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             cfg = train.loss_config(targs, drafter.config.vocab_size, accept_at)
             view = dflash2.target_view(drafter.config, target)
             _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
-            stats = train.step_stats(drafter, view, target, slots, cfg, terms)
+            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms)
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v

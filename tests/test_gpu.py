@@ -15,7 +15,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2
-from harness import checkpoint
+from harness import checkpoint, memory
 from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
 from harness.target import drafter_config
 
@@ -207,7 +207,7 @@ def test_train_takes_steps_on_cuda(tmp_path, capsys, monkeypatch, grad_checkpoin
     flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--out-dir",
              str(tmp_path / "out"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6", "--val-size", "4",
              "--drafter-config", '{"selector_rank": 8}', "--steps", "2"]
-    monkeypatch.setattr(train, "fitting_plan", lambda *a: grad_checkpoint)
+    monkeypatch.setattr(memory, "fitting_plan", lambda *a: grad_checkpoint)
     monkeypatch.setattr(train, "EVAL_NEW_TOKENS", 8)
     summary = train.train(train.parse_args(flags), decode_prompts=1)
     assert "1 rank(s) on cuda" in capsys.readouterr().out, "train.py did not run on the GPU"
