@@ -699,12 +699,12 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
 
 @torch.no_grad()
 def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                  stop_token_ids=None, generator=None, view=None):
-    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). view: the target as the drafter reads
-    it (None: target_view's plain forms). -> (new token ids (n,), GenerationStats). Equals target_generate's output
-    token for token at T = 0, follows its law at T > 0."""
-    check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
+                  stop_token_ids=None, generator=None, view=None, draft_tokens=None):
+    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5): equals target_generate's output token
+    for token at T = 0, follows its law at T > 0. view: the target as the drafter reads it (None: target_view's plain
+    forms); draft_tokens: the drafts a cycle verifies, 1..B−1 (None: B−1). -> (new ids (n,), GenerationStats)."""
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
+    check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k, draft_tokens, B)
     view = view or target_view(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
     cache, draft_cache = target_cache(target, forward_tokens=B), DraftCache(c.num_layers)  # [anchor ; <= B−1 drafts]
@@ -714,7 +714,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     first = int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))
     done = emit(tokens, [first], stop_ids, max_new_tokens)
     while not done:
-        n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
+        n = min(draft_tokens or B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
         anchor = torch.tensor([tokens[-1]], device=dev)  # the last emitted token; the target has not read it yet
         committed, new_f = speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n,
                                                    temperature, top_p, top_k, generator)
@@ -804,9 +804,11 @@ def check_sampling(temperature, top_p, top_k):
     require(0 < top_p <= 1, f"top_p ({top_p}) must be in (0, 1]")
     require(isinstance(top_k, int) and top_k >= 0, f"top_k ({top_k!r}) must be an integer >= 0")
 
-def check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
+def check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k, draft_tokens=None, block_size=None):
     require(input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1,
             f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
     require(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
             f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+    require(draft_tokens is None or isinstance(draft_tokens, int) and 1 <= draft_tokens < block_size,
+            f"draft_tokens ({draft_tokens!r}) must be an integer from 1 to block_size − 1 (block_size = {block_size})")
     check_sampling(temperature, top_p, top_k)
