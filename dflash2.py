@@ -96,7 +96,7 @@ def default_target_layer_ids(num_target_layers, num_features=5):
 class TargetView:
     """What the drafter borrows from the frozen target; target_view gives the plain forms (a family's: target.py)
         embed(ids) = W_in[ids] · input_embedding_scale
-        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(y) = c·tanh(y / c)"""
+        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(·) = c·tanh(· / c)"""
     W_in: torch.Tensor   # (V, H) the input embedding rows, raw (factored codebooks read them)
     embed: Callable      # ids (...) -> (..., H)
     logits: Callable     # final hidden states (..., H) -> (..., V)
@@ -116,7 +116,7 @@ def embed_rows(c, W_in, ids):
     return x * c.input_embedding_scale if c.input_embedding_scale != 1 else x
 
 def transformed_logits(c, y):
-    """lm_head's output y (..., V) at least fp32, × output_multiplier, then soft-capped."""
+    """lm_head's output (..., V) at least fp32, × output_multiplier, then soft-capped."""
     y, cap = y.to(torch.promote_types(y.dtype, torch.float32)), c.final_logit_softcapping
     y = y * c.output_multiplier if c.output_multiplier != 1 else y
     return torch.tanh(y / cap) * cap if cap else y
@@ -167,8 +167,8 @@ class DraftCache:
         return k, v
 
 def window_mask(query_pos, key_pos, window, mask=None):
-    """A sliding layer's view (§1): position p sees key position k iff |p − k| < W (from each query, as the
-    inference reference; never causal). query_pos (b, n), key_pos (b, m) -> (b, 1, n, m) bool, and mask."""
+    """A sliding layer's view (§1): a query sees a key iff their positions are less than W apart (from each query, as
+    the inference reference; never causal). query_pos (b, n), key_pos (b, m) -> (b, 1, n, m) bool, and mask."""
     near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < window
     return near[:, None] if mask is None else mask & near[:, None]
 
@@ -213,7 +213,7 @@ class MLP(nn.Module):
 
 def local_conv(x, delta, base, block_size):
     """Grouped dynamic causal convolution along each block (§2):
-        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],  g(c) = c // G,  x[i − τ] := 0 if (i mod B) < τ
+        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, c // G]) · x[i − τ, c],  x[i − τ] := 0 if (i mod B) < τ
     x (b, N·B, H) block by block (or one block of at most B tokens); delta (b, N·B, Kc, H/G) at the output position;
     base (Kc, H). Packed blocks sit back to back: a tap reaching across a block start would read the previous block,
     so it is zeroed, not only the row's first."""
@@ -266,8 +266,8 @@ class DecoderLayer(nn.Module):
 
 # --- candidate selector (§3) -------------------------------------------------
 class CandidateSelector(nn.Module):
-    """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
-    A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·W_in[p], Bc[c] = W_B·W_in[c] with W_in the target's
+    """E[k](prev, c) = U[k, c] + Σ_r A[prev, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
+    A, Bc: [V, R] tables ("free"), or ("factored") A[prev] = W_A·W_in[prev], Bc[c] = W_B·W_in[c], W_in the target's
     frozen input embedding rows, passed in: 3·H·R parameters, not H·R + 2·V·R."""
     def __init__(self, c):
         super().__init__()
@@ -454,12 +454,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The §6 loss's settings (train.py's loss flags), checked once, when made."""
-    loss_type: str = "kl"                # unary term: "kl" to the target's softmax, or "ce" on its argmax
+    """The §6 loss's settings, checked once, when made (train.py: the flags named below, γ and α, the memory plan)."""
+    loss_type: str = "kl"                # --loss: the unary term, "kl" to the target's softmax or "ce" on its argmax
     gamma: float | None = None           # slot weights w_k = exp(-(k-1)/γ); None: default_gamma(B)
     alpha: float = 1.0                   # L = L_unary + α·L_sel
-    selector_labels: str = "argmax"      # π: "argmax" (one-hot on the target's token) or "soft" (its law on C)
-    soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
+    selector_labels: str = "argmax"      # --selector-labels: π, "argmax" (one-hot on y) or "soft" (p on C)
+    soft_labels_at: tuple | None = None  # --selector-labels T,TOP_P,TOP_K: soft π at that sampling setting; None: p
     accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
     chunk_size: int | None = None        # slots whose logits live at once; several chunks are recomputed in backward
 
@@ -581,7 +581,7 @@ def verify_greedy(draft, logits):
 
 def acceptance_probability(p, q, token):
     """Keep a draft token with probability min(1, p[token] / q[token]). A token the target gives p = 0 is never
-    kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
+    kept, even where q = 0 too (0/0 would be NaN, and a draw >= NaN is False)."""
     return torch.where(p[token] > 0, torch.clamp(p[token] / q[token], max=1.0), 0.0)
 
 def residual_distribution(p, q):
@@ -594,8 +594,8 @@ def verify_sampled(draft, q, p, generator=None):
     law each draft was drawn from (0 outside its candidates, conditional on the drafted predecessor), p (n+1, V) the
     target's laws. Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
     for i, d in enumerate(draft.tolist()):
-        u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
-        if u >= acceptance_probability(p[i], q[i], d):
+        draw = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
+        if draw >= acceptance_probability(p[i], q[i], d):
             return i, int(torch.multinomial(residual_distribution(p[i], q[i]), 1, generator=generator))
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
 
@@ -618,8 +618,8 @@ def target_cache(target, forward_tokens=0):
 
 def draft_forward(drafter, view, anchor, new_f, draft_cache):
     """The draft half (§5): the block [anchor, MASK, ..., MASK] at a..a+B−1 through the drafter, which first appends
-    new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then the target's logits of slots
-    1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32): propose's inputs."""
+    new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then U, the drafter's logits (its h
+    through the target's lm_head) of slots 1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32)."""
     c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
     a = draft_cache.length + new_f.shape[1]  # the context is 0..a−1, the anchor sits at a
     block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)

@@ -754,8 +754,8 @@ def test_edge_scores_equal_loop():
 
 
 def test_factored_selector_scores_and_walks_equal_loops(target):
-    """Factored codebooks: A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the target's input
-    embedding rows W_in, against the loop of ref_codebook_row; the greedy walk feeds its choices
+    """Factored codebooks: A[prev] = W_A·W_in[prev], Bc[c] = W_B·W_in[c] with W_in the target's
+    input embedding rows, against the loop of ref_codebook_row; the greedy walk feeds its choices
     forward through them; without W_in the selector refuses in one sentence."""
     sel = make_drafter(randomize=True, selector_codebooks="factored").candidate_selector
     W_in = target.model.embed_tokens.weight
