@@ -704,8 +704,9 @@ def data_stream(train_rows, seed, batch_size, grad_accum, world, rank, pad_token
     global_batch = batch_size * grad_accum * world
 
     @lru_cache(maxsize=2)
-    def epoch_order(epoch):
-        return torch.randperm(len(train_rows), generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    def epoch_order(epoch):  # seeded as the anchors are: with seed + epoch, --seed 1's epoch e is --seed 0's e + 1
+        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+        return torch.randperm(len(train_rows), generator=g).tolist()
 
     def micro_batch(step, micro):
         start = step * global_batch + (micro * world + rank) * batch_size

@@ -1,14 +1,17 @@
-"""Tests of data.py: reading chat files, assistant masks, training rows.
+"""Tests of data.py: reading chat files, assistant masks, training rows, their order in a run, the flags it declares.
 Tiny random targets and byte-level tokenizers built on the spot; no downloads, CPU only."""
 import json
 import random
 import re
 
+import datasets
 import pytest
 import torch
 
 import data
+import target
 import tiny_world
+import train
 
 # -----------------------------------------------------------------------------
 # assistant masks: templates that reproduce the common families
@@ -404,3 +407,109 @@ def test_hub_rows_are_named_by_split_and_index(monkeypatch):
     with pytest.raises(ValueError, match=r"^org/chats: no such local file, and loading it as a hub dataset failed: "
                                          r"ConnectionError: Couldn't reach 'org/chats' on the Hub$"):
         data.read_conversations("org/chats")
+
+
+# -----------------------------------------------------------------------------
+# the training data's order (train.py's): epochs, micro-steps and ranks, anchor seeds, validation rows
+
+N_ROWS, EPOCHS, GLOBAL_BATCH = 10, 3, 6  # epochs end inside a step, as in most runs
+
+
+@pytest.fixture(scope="module")
+def train_rows():
+    """Row i holds token i + 1: a batch says which rows it holds."""
+    return datasets.Dataset.from_dict({"input_ids": [[i + 1] * 2 for i in range(N_ROWS)],
+                                       "loss_mask": [[1, 1]] * N_ROWS}).with_format("torch")
+
+
+@pytest.fixture(params=[(6, 1, 1), (2, 3, 1), (3, 1, 2), (1, 2, 3)],
+                ids=lambda shape: "batch {}, grad-accum {}, world {}".format(*shape))
+def shape(request):
+    """(batch_size, grad_accum, world): one global batch of GLOBAL_BATCH rows, split into micro-steps and ranks."""
+    return request.param
+
+
+def read_rows(train_rows, seed, shape):
+    """What a run of --seed reads over EPOCHS epochs, in order: step by step, micro-step by micro-step, rank by
+    rank, each rank from its own data_stream. -> [(row, its anchor seed)]."""
+    batch_size, grad_accum, world = shape
+    streams = [data.data_stream(train_rows, seed, batch_size, grad_accum, world, rank, 0, "cpu")
+               for rank in range(world)]
+    read = []
+    for step in range(EPOCHS * N_ROWS // GLOBAL_BATCH):
+        for micro in range(grad_accum):
+            for rank, stream in enumerate(streams):
+                (ids, _, _), rows, seeds = stream(step, micro)
+                held = (ids[:, 0] - 1).tolist()
+                assert held == rows, f"step {step}, micro-step {micro}, rank {rank}: the batch holds rows {held}, " \
+                    f"the stream says {rows}"
+                read += zip(rows, seeds)
+    return read
+
+
+def epoch_orders(train_rows, seed, shape):
+    rows = [row for row, _ in read_rows(train_rows, seed, shape)]
+    return [rows[e * N_ROWS:(e + 1) * N_ROWS] for e in range(EPOCHS)]
+
+
+def test_every_epoch_reads_every_row_once_in_a_fresh_order(train_rows, shape):
+    """Micro-steps and ranks take their own rows: no micro-batch of a step comes again in the next."""
+    orders = epoch_orders(train_rows, 0, shape)
+    for e, order in enumerate(orders):
+        assert sorted(order) == list(range(N_ROWS)), f"epoch {e} reads rows {order}, not each of {N_ROWS} once"
+    same = [(a, b) for b in range(EPOCHS) for a in range(b) if orders[a] == orders[b]]
+    assert not same, f"epochs {same} read the rows in one order: {orders}"
+
+
+def test_a_split_batch_reads_the_rows_and_anchors_of_the_whole_batch(train_rows, shape):
+    """Data parallel and gradient accumulation change where a row is read, never which row or its anchors."""
+    whole, split = read_rows(train_rows, 0, (GLOBAL_BATCH, 1, 1)), read_rows(train_rows, 0, shape)
+    differ = [i for i, (a, b) in enumerate(zip(whole, split)) if a != b]
+    assert not differ, f"from place {differ[:1]}: (row, anchor seed) {split[differ[0]]} where one batch of " \
+        f"{GLOBAL_BATCH} reads {whole[differ[0]]}"
+
+
+def test_no_two_seeds_or_epochs_share_a_data_order(train_rows, shape):
+    """The seeds bench intervals treat as independent: --seed 1's first epoch is not --seed 0's second."""
+    orders = {(seed, e): order for seed in range(3) for e, order in enumerate(epoch_orders(train_rows, seed, shape))}
+    same = [(a, b) for a in orders for b in orders if a < b and orders[a] == orders[b]]
+    assert not same, f"(seed, epoch) pairs reading the rows in one order: {same}"
+
+
+def test_no_two_seeds_draw_anchors_from_one_seed(train_rows, shape):
+    """--seed 1's row at place p does not draw --seed 0's anchors at place p + 1 (nor any other place's)."""
+    drawn = {}
+    for seed in range(3):
+        for place, (_, anchor_seed) in enumerate(read_rows(train_rows, seed, shape)):
+            drawn.setdefault(anchor_seed, []).append((seed, place))
+    shared = {k: v for k, v in drawn.items() if len(v) > 1}
+    assert not shared, f"anchor seeds drawn at several (seed, place): {dict(list(shared.items())[:3])}"
+
+
+def test_the_last_val_size_rows_validate_and_no_training_row_left_is_refused(train_rows):
+    train_part, val = data.split_rows(train_rows, N_ROWS - 1, "chats.jsonl")
+    got = [(ids[0] - 1).item() for ids in train_part["input_ids"]], [(ids[0] - 1).item() for ids in val["input_ids"]]
+    assert got == ([0], list(range(1, N_ROWS))), f"(training rows, validation rows) {got} at --val-size {N_ROWS - 1}"
+    with pytest.raises(ValueError, match=rf"^--data chats\.jsonl: {N_ROWS} usable rows, need more than --val-size "
+                                         rf"{N_ROWS}$"):
+        data.split_rows(train_rows, N_ROWS, "chats.jsonl")
+
+
+# -----------------------------------------------------------------------------
+# the flags data.py declares
+
+
+def test_a_nan_learning_rate_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--lr", "nan"])
+    assert "argument --lr: nan must be >= 0" in capsys.readouterr().err, "--lr nan was not refused by name"
+    assert train.parse_args(["--lr", "0"]).lr == 0.0, "--lr 0 (the bound itself) was refused"
+
+
+@pytest.mark.parametrize("device, native_bf16, want", [("cuda", False, torch.bfloat16),
+                                                       ("cpu", True, torch.bfloat16), ("cpu", False, torch.float32)])
+def test_a_run_without_dtype_trains_in_bf16_where_bf16_is_native(monkeypatch, device, native_bf16, want):
+    monkeypatch.setattr(target, "native_bf16_cpu", lambda: native_bf16)
+    got, why = target.training_dtype(train.parse_args([]).dtype, torch.device(device))
+    assert got == want, f"train.py with no --dtype on a {device} (bf16 in hardware: {native_bf16}) trains in " \
+        f"{got} ({why}), expected {want}"

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_leaves
 import dflash2
 import memory
 import train
-from target import drafter_config, load_config
+from target import drafter_config, load_config, model_class
 from bench import cost
 from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
@@ -278,6 +278,47 @@ def test_an_unchunked_loss_plans_what_one_chunk_of_every_slot_plans():
         f"{figures(every)}"
     assert part["loss_chunk"] < whole["loss_chunk"], f"a 16-slot chunk plans {part['loss_chunk']} loss bytes, " \
         f"the whole loss {whole['loss_chunk']}"
+
+
+def test_train_py_loss_chunk_holds_only_the_slots_a_step_has():
+    """At Qwen3's vocabulary train.py's chunk is 1,024 slots (3.7 GB); a step of fewer slots (here batch · 8 anchors
+    · 3) holds only those: the plan is the unchunked loss's, and its loss bytes grow with the batch."""
+    config = qwen3_config(**dict(SMALL, vocab=151_936))
+    plan = lambda batch, chunk: memory.memory_plan(config, 64, 8, batch, chunk, block_size=4, selector_rank=8)
+    loss = {}
+    for batch in (1, 2):
+        train_plan, whole = plan(batch, "train"), plan(batch, None)
+        assert train_plan["shape"]["loss_chunk"] == 1024 > batch * 8 * 3, train_plan["shape"]
+        got, want = (train_plan["loss_chunk"], train_plan["peak"]), (whole["loss_chunk"], whole["peak"])
+        assert got == want, f"batch {batch} ({batch * 24} slots): train.py's plan holds (loss, peak) {got} bytes, " \
+            f"the unchunked loss {want}"
+        loss[batch] = got[0]
+    assert loss[2] == 2 * loss[1], f"loss bytes by batch {loss}: twice the slots, not twice the bytes"
+
+
+# Gemma-3's multimodal wrapper (Gemma3ForConditionalGeneration): the language model's fields are in text_config
+GEMMA3_WRAPPER = dict(text_config=dict(vocab_size=128, hidden_size=32, num_hidden_layers=4, num_attention_heads=2,
+                                       num_key_value_heads=1, head_dim=16, intermediate_size=64,
+                                       query_pre_attn_scalar=16, sliding_window=8),
+                      vision_config=dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=16, image_size=28, patch_size=14), mm_tokens_per_image=4)
+
+
+@pytest.mark.parametrize("family", ["Qwen3", "Gemma-3 wrapper"])
+def test_the_plan_holds_every_hidden_state_the_targets_forward_returns(tmp_path, family):
+    """A sequence holds all the hidden states the target returns (the embeddings' and every layer's: L + 1), bf16,
+    from the language model of a multimodal wrapper too; memory.py and train.py's GPU check plan the same."""
+    from transformers import Gemma3Config
+    config = qwen3_config(**SMALL) if family == "Qwen3" else Gemma3Config(**GEMMA3_WRAPPER)
+    config.save_pretrained(tmp_path)
+    plan = planned(tmp_path)
+    torch.manual_seed(0)
+    model = model_class(config).from_config(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        states = model(input_ids=torch.randint(4, 128, (1, 64)), output_hidden_states=True).hidden_states
+    want = sum(s.numel() * s.element_size() for s in states)
+    assert plan["hidden_states_per_seq"] == want, f"{family}: the plan holds {plan['hidden_states_per_seq']} bytes " \
+        f"of hidden states a sequence, the target's forward returns {len(states)} states of {want} bytes"
 
 
 @pytest.mark.parametrize("argv, message", [

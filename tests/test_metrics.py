@@ -1,14 +1,17 @@
 """Tests of metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
 slots, against loops over the counted slots, on test_dflash2.py's tiny random target, drafter, batch
-and loop references; nothing is downloaded.
+and loop references, and the end-of-run decoding; nothing is downloaded.
 Run: python -m pytest tests/test_metrics.py -q
 """
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import argmax_loop
 from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
-from metrics import dflash2_metrics, expected_acceptance_length
+from metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
 from test_dflash2 import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
                           float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
                           ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
@@ -172,3 +175,37 @@ def test_metrics_do_not_depend_on_chunk_size_or_grad_checkpoint(target, batch, m
     want = loss_and_metrics(drafter, target, batch)[1]
     drafter.grad_checkpoint = True
     assert_same_metrics(loss_and_metrics(drafter, target, batch)[1], want, "grad_checkpoint", 1e-12)
+
+
+# -----------------------------------------------------------------------------
+# the end-of-run decoding: spec_generate on held-out prompts
+
+
+@pytest.fixture(scope="module")
+def decoding():
+    """A float32 target and drafter (the dtype decoding_eval decodes a CPU target in) and a prompt (1, P)."""
+    return make_target(dtype=torch.float32), make_drafter(randomize=True).float(), torch.tensor([[5, 9, 3, 7]])
+
+
+def decoded(decoding, seed, eos, max_new_tokens=12):
+    """decoding_eval's first output at T = 0 and T = 1, as token ids (its tokenizer decodes ids to themselves)."""
+    target, drafter, prompt = decoding
+    tokenizer = SimpleNamespace(eos_token_id=eos, decode=lambda ids: ids.tolist())
+    table = decoding_eval(drafter, target, tokenizer, [prompt], max_new_tokens, seed, log=lambda *a: None)
+    return table[0.0][2], table[1.0][2]
+
+
+def test_the_end_of_run_decoding_stops_at_eos(decoding):
+    """At T = 0: the target's greedy tokens up to and with the first eos, then no more."""
+    greedy, _ = argmax_loop(decoding[0], decoding[2][0].tolist(), 12)
+    k = next(i for i in range(2, 12) if greedy[i] not in greedy[:i])  # its first use: eos there
+    got = decoded(decoding, 0, eos=greedy[k])[0]
+    assert got == greedy[:k + 1], f"with eos {greedy[k]} (greedy token {k}) the decoding gave {got}, the greedy " \
+        f"tokens up to it are {greedy[:k + 1]}"
+
+
+def test_the_end_of_run_sampling_is_seeded_by_the_runs_seed(decoding):
+    got = {run: decoded(decoding, seed, eos=-1)[1] for run, seed in (("seed 0", 0), ("seed 0 again", 0),
+                                                                       ("seed 1", 1))}
+    assert got["seed 0"] == got["seed 0 again"], f"one seed sampled twice: {got['seed 0']} then {got['seed 0 again']}"
+    assert got["seed 0"] != got["seed 1"], f"seeds 0 and 1 sampled the same tokens at T = 1: {got['seed 0']}"

@@ -1,6 +1,8 @@
-"""Tests of the offline tiny world: tokenizer, quality measure, the cached on-policy build."""
+"""Tests of the offline tiny world: tokenizer, quality measure, the cached on-policy build, where train.py finds it."""
 import functools
+import importlib
 import json
+import os
 import random
 
 import pytest
@@ -119,3 +121,37 @@ def test_tiny_world_race_keeps_the_first_build(tmp_path, monkeypatch, small_buil
     target, _ = tiny_world.tiny_world(tmp_path, 1, lambda *a: None, train_prompts=2, max_new_tokens=1)
     assert target == str(world / "target") and (world / "marker").read_text() == "theirs"
     assert [p.name for p in tmp_path.iterdir()] == [world.name], "a temporary folder was left behind"
+
+
+def record_builds(monkeypatch):
+    """offline_world with the world's build replaced by a record of where it was asked for: -> that record."""
+    asked = []
+
+    def build(cache_dir, pretrain_steps, log):
+        asked.append(cache_dir)
+        return os.path.join(cache_dir, "target"), os.path.join(cache_dir, "conversations.jsonl")
+    monkeypatch.setattr(tiny_world, "tiny_world", build)
+    return asked
+
+
+def test_dflash2_cache_moves_the_offline_world(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH2_CACHE", str(tmp_path))
+    try:
+        importlib.reload(tiny_world)  # the variable is read once, at import
+        asked, logs = record_builds(monkeypatch), []
+        got = tiny_world.offline_world(None, None, log=logs.append)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(tiny_world)
+    assert asked == [str(tmp_path)], f"with DFLASH2_CACHE={tmp_path} the world was built in {asked}"
+    assert got == (str(tmp_path / "target"), str(tmp_path / "conversations.jsonl")), got
+    assert logs == [f"offline world cached in {tmp_path}"], logs
+
+
+def test_a_target_without_data_trains_on_the_worlds_conversations(monkeypatch):
+    builds = record_builds(monkeypatch)
+    got = tiny_world.offline_world("my/target", None, log=lambda *a: None)
+    want = ("my/target", os.path.join(tiny_world.CACHE_DIR, "conversations.jsonl"))
+    assert got == want, f"--target my/target without --data trains {got[0]} on {got[1]}, expected {want}"
+    assert tiny_world.offline_world("my/target", "chats.jsonl") == ("my/target", "chats.jsonl") and len(builds) == 1, \
+        f"--target and --data given: the world was built anyway ({builds})"

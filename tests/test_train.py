@@ -1,5 +1,6 @@
 """End-to-end tests of train.py on a tiny random Qwen3 target; no downloads, CPU only."""
 import contextlib
+import copy
 import io
 import json
 import math
@@ -8,10 +9,12 @@ import re
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import datasets
 import pytest
 import torch
+import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import checkpoint
@@ -30,12 +33,19 @@ CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
                 {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
 
 
-def save_tiny_target(path, tokenizer):
-    """A random float32 Qwen3 for `tokenizer` (4 layers, hidden 64) and the tokenizer, saved as a model folder."""
-    tiny_qwen3(len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32, tie_word_embeddings=True,
-               pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
+def save_tiny_target(path, tokenizer, vocab_size=None):
+    """A random float32 Qwen3 for `tokenizer` (4 layers, hidden 64; an embedding table of vocab_size rows, default
+    len(tokenizer)) and the tokenizer, saved as a model folder."""
+    tiny_qwen3(vocab_size or len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32,
+               tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+               eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def records(out, kind):
+    """A run's record lines of one kind ("train" or "eval")."""
+    return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
 def write_jsonl(path, rows):
@@ -176,6 +186,27 @@ def test_init_from_a_dflash_v1_checkpoint_adds_conv_and_selector(world, tmp_path
     train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(tmp_path / "v1")))
     c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
     assert (c.num_layers, c.conv_kernel_size, c.selector_top_k) == (1, 2, 16), f"warm-started drafter config {c}"
+
+
+@pytest.mark.parametrize("wrapper", ["Gemma3Config", "Gemma4Config"])
+def test_a_multimodal_wrapper_builds_the_drafter_of_its_language_model(tmp_path, wrapper):
+    """A ...ForConditionalGeneration target's config holds no vocab_size or num_hidden_layers of its own: the
+    drafter (fresh, and warm-started from an export) takes its language model's width, vocabulary and layers."""
+    tokenizer = tiny_world.build_tiny_tokenizer()
+    text = dict(vocab_size=len(tokenizer) + 4, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512,
+                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
+    config = getattr(transformers, wrapper)(text_config=text)
+    want = (64, len(tokenizer) + 4, 6)
+    args = train.parse_args(["--drafter-config", SELECTOR_RANK_8])
+    fresh = train.build_drafter(args, tokenizer, config, None, lambda *a: None)
+    checkpoint.save_export(fresh, tmp_path / "export")
+    args = train.parse_args(["--init-from", str(tmp_path / "export")])
+    warm = train.build_drafter(args, tokenizer, config, None, lambda *a: None)
+    for how, c in (("fresh", fresh.config), ("--init-from", warm.config)):
+        got = (c.hidden_size, c.vocab_size, c.num_target_layers)
+        assert got == want, f"{wrapper}: the {how} drafter's (hidden, vocab, target layers) {got}, the language " \
+            f"model's {want}"
 
 
 def assert_bf16_table(table, want, side):
@@ -386,7 +417,7 @@ def test_zero_counts_are_refused_by_the_parser(flag, capsys):
     assert f"argument {flag}: 0 must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("value", ["0,0.95", "1,1.5", "1,0.9,20,3", "1,0.9,x", "hard"])
+@pytest.mark.parametrize("value", ["0,0.95", "1,1.5", "1,0.9,20,3", "1,0.9,x", "1,0.9,2.5", "hard"])
 def test_bad_selector_labels_are_refused_by_the_parser(value, capsys):
     with pytest.raises(SystemExit):
         train.parse_args(["--selector-labels", value])
@@ -426,11 +457,23 @@ def test_script_bad_input_exits_with_one_line(world, tmp_path):
     assert run.returncode == 1 and run.stderr.strip().splitlines() == [f"train.py: {bad}: empty file"], run.stderr
 
 
-@pytest.mark.parametrize("change", ["steps", "lr", "seq-len", "target", "layers", "data"])
-def test_resume_refuses_another_run(world, reference_run, tmp_path, change):
+@pytest.mark.parametrize("change", ["steps", "lr", "seq-len", "target", "layers", "data", "batch-size", "grad-accum",
+                                    "world"])
+def test_resume_refuses_another_run(world, reference_run, tmp_path, monkeypatch, change):
+    """The reference run (1 rank, batch 2, grad-accum 1) resumed with another schedule, data, target or drafter is
+    refused, naming what differs; so is another global batch, and the same global batch over another number of
+    ranks."""
     shutil.copytree(reference_run["out"], tmp_path / "out")
     extra, match, data = ["--steps", "4", "--resume"], None, None
-    if change == "steps":
+    if change == "batch-size":
+        extra, match = extra + ["--batch-size", "1"], r"schedule: saved global_batch 2 != now 1"
+    elif change == "grad-accum":
+        extra, match = extra + ["--grad-accum", "2"], r"schedule: saved global_batch 2 != now 4"
+    elif change == "world":  # rank 0 of 2 as torchrun starts it; the refusal comes before any collective
+        start_ranks = train.start_ranks
+        monkeypatch.setattr(train, "start_ranks", lambda: (2, *start_ranks()[1:]))
+        extra, match = extra + ["--batch-size", "1"], r"schedule: saved world 1 != now 2"
+    elif change == "steps":
         extra, match = ["--steps", "5", "--resume"], r"schedule: saved steps 4 != now 5"
     elif change == "lr":
         extra, match = extra + ["--lr", "0.001"], r"another run \(schedule: saved lr 0\.0006 != now 0\.001\)"
@@ -619,6 +662,42 @@ def test_a_cpu_bf16_autocast_step_is_the_float32_step_within_bf16_rounding(world
         assert off < 0.2, f"{name}: bf16 gradient off by {off:.3f} of the float32 one's norm"
 
 
+def test_a_float16_target_runs_the_drafter_step_under_bf16_autocast(world):
+    """Below float32 means float16 too: on a float16 target every matmul of the drafter's step (its linear layers)
+    runs under bf16 autocast, as on a bf16 target, and not in float32; the loss stays the float32 step's to 2%."""
+    args, batch, target, drafter = step_inputs(world, rows=1)  # one row: a CPU emulates float16 matmuls
+    want_loss, _ = step(drafter, target, batch, args)
+    linear = [m for m in drafter.modules() if isinstance(m, torch.nn.Linear)]
+    seen = {}
+    hooks = [m.register_forward_hook(lambda m, i, out: seen.setdefault(out.dtype, []).append(m)) for m in linear]
+    got_loss, _ = step(drafter, target.to(torch.float16), batch, args)
+    for h in hooks:
+        h.remove()
+    dtypes = {str(d).removeprefix("torch."): len(ms) for d, ms in seen.items()}
+    assert linear and set(seen) == {torch.bfloat16}, f"the drafter's linear outputs on a float16 target: {dtypes}, " \
+        "want bfloat16 only"
+    assert abs(got_loss - want_loss) < 0.02 * want_loss, f"float16 target's loss {got_loss} vs float32 {want_loss}"
+
+
+def test_loss_config_carries_the_acceptance_setting_to_the_metrics(world):
+    """loss_config(accept_at=(T, top_p, top_k)) (bench/ablation.py's metrics at the write-up's setting): the step's
+    acceptance metric is then Σ_v min(p_v, q_v) at that setting, p = softmax(z/T) of the target's logits and
+    q = softmax(U/T) of the drafter's, averaged over the counted slots; not the T = 1 default's, another number."""
+    args, batch, target, drafter = step_inputs(world)
+    c = drafter.config
+    inputs = train.step_inputs(target, batch, c.target_layer_ids, args.max_anchors, [1, 2, 3])
+    view = dflash2.target_view(c, target)
+    with torch.no_grad():
+        _, terms, slots = train.loss_step(drafter, view, target, inputs, train.loss_config(args, c.vocab_size))
+        got = {T: train.step_stats(drafter, view, target, slots, train.loss_config(args, c.vocab_size, accept_at=(
+            T, 1.0, 0)), terms)["accept_unary"] for T in (0.25, 1.0)}
+        counted = slots.counted.bool()
+        z, U = (target.lm_head(x[counted]).double() for x in (slots.g, slots.h))  # Qwen3: lm_head(h) is its logits
+    want = {T: torch.minimum(torch.softmax(z / T, -1), torch.softmax(U / T, -1)).sum(-1).mean().item() for T in got}
+    assert all(abs(got[T] - want[T]) < 1e-5 for T in got), f"accept_unary by T: {got}, want Σ min(p, q) {want}"
+    assert abs(want[0.25] - want[1.0]) > 1e-3, f"T = 0.25 and T = 1 accept alike ({want}): the test cannot tell them"
+
+
 def test_cached_target_features_give_the_online_step_exactly(world, tmp_path):
     """TargetFeatures: the step that fills the cache and the steps that read it back (in memory,
     on disk, and from the disk files by a second cache, as a resumed run does) have the online
@@ -715,6 +794,18 @@ def test_the_learning_rate_warms_up_then_follows_a_cosine_down_to_its_floor():
         assert all(a >= b >= floor * peak for a, b in zip(lrs[warmup:], lrs[warmup + 1:]))
 
 
+def test_a_short_run_warms_up_for_one_step_then_decays_over_the_rest(reference_run):
+    """4% of a run shorter than 13 steps rounds to no step, yet every run warms up for at least one: the 4-step
+    reference run logs the peak at step 1 (its warmup) and at step 2 (the cosine's start), then the cosine over the
+    3 steps after the warmup, f + (1 - f)·(1 + cos(πk/3))/2 of the peak at k = 1, 2, f = LR_FLOOR."""
+    peak, f = train.parse_args([]).lr, train.LR_FLOOR
+    want = {1: peak, 2: peak, 3: peak * (f + (1 - f) * 0.75), 4: peak * (f + (1 - f) * 0.25)}
+    got = {r["step"]: r["lr"] for r in records(reference_run["out"], "train")}
+    assert got.keys() == want.keys() and all(math.isclose(got[s], want[s], rel_tol=1e-12) for s in want), \
+        f"the 4-step run's logged lr by step: {got}, want {want} (off by up to " \
+        f"{max(abs(got.get(s, 0) - want[s]) / peak for s in want):.3g} of the peak)"
+
+
 def test_lr_floor_lifts_the_logged_schedule_onto_floor_times_peak(world, reference_run, tmp_path, monkeypatch):
     """LR_FLOOR f: after the warmup (the same ramp to the peak), the lr a run logs at every step is the
     reference run's (same steps, floor f0) mapped from [f0·peak, peak] onto [f·peak, peak]."""
@@ -753,6 +844,29 @@ def test_the_unary_term_is_float32_under_bf16_autocast(compiled):
     assert got.dtype == torch.float32 and err < 1e-4, (
         f"KL under bf16 autocast ({'compiled' if compiled else 'formula'}{'; ' if lines else ''}{' '.join(lines)}): "
         f"{got.dtype}, off by {err:.3g}")
+
+
+@pytest.mark.parametrize("disable, compilers, why", [
+    ("0", ["g++", "c++"], None), ("", ["g++"], None), (None, ["c++"], None), (None, ["clang++"], None),
+    ("1", ["g++", "c++"], "TORCH_COMPILE_DISABLE is set"), (None, [], "no C++ compiler on PATH")],
+    ids=["DISABLE=0", "DISABLE empty, g++", "c++", "clang++", "DISABLE=1", "no compiler"])
+def test_the_cpu_loss_is_compiled_where_any_cpp_compiler_is(monkeypatch, disable, compilers, why):
+    """train.compiled_loss on a CPU: the formula under torch.compile where any one C++ compiler is on PATH and
+    TORCH_COMPILE_DISABLE is unset, empty or 0 (torch disables on 1 only); else the eager formula, with the line
+    saying why. Only the compilers named are on PATH here."""
+    if disable is None:
+        monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    else:
+        monkeypatch.setenv("TORCH_COMPILE_DISABLE", disable)
+    monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name in compilers else None)
+    lines = []
+    sums_fn = train.compiled_loss(torch.device("cpu"), lines.append)
+    compiled = getattr(sums_fn, "_torchdynamo_orig_callable", None) is dflash2.slot_sums
+    got = "compiled" if compiled else "eager" if sums_fn is dflash2.slot_sums else repr(sums_fn)
+    want, line = ("eager", f"loss: the eager formula ({why})") if why else \
+        ("compiled", "loss: the formula under torch.compile (compiled on the first step)")
+    assert (got, lines) == (want, [line]), f"TORCH_COMPILE_DISABLE={disable!r} with {compilers or 'no compiler'} on " \
+        f"PATH: the loss is {got}, logged {lines}; want {want}, logged {[line]}"
 
 
 def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
@@ -900,3 +1014,125 @@ def test_the_fused_optimizer_takes_the_loop_over_tensors_steps():
             opt.step()
     for a, b, w in zip(fused, loop, weights):
         assert not torch.equal(a, w) and torch.allclose(a, b, atol=1e-6), f"fused off by {(a - b).abs().max():.3g}"
+
+
+# -----------------------------------------------------------------------------
+# what the other runs in this process hold fixed: one micro-step a step, and an embedding table the size of the
+# tokenizer. One run varies both.
+
+
+@pytest.fixture(scope="module")
+def padded_target(tmp_path_factory):
+    """A tiny target whose embedding table is padded past its tokenizer (vocab_size = len(tokenizer) + 4, as real
+    tables are padded to a multiple of 64 or 128), with a tokenizer that has no mask token of its own (it would be
+    the mask token whatever the table)."""
+    root = tmp_path_factory.mktemp("padded")
+    tokenizer = tiny_world.build_tiny_tokenizer()
+    tokenizer.mask_token = None
+    return save_tiny_target(root, tokenizer, vocab_size=len(tokenizer) + 4)
+
+
+DECODED_AL = {0.0: 3.5, 1.0: 1.25}  # what the stand-in decoder reports at each temperature
+
+
+@pytest.fixture(scope="module")
+def accumulated_run(world, padded_target, tmp_path_factory):
+    """One step of 2 micro-steps of batch 2 on the padded target, recording each micro-step's batch and loss, the
+    drafter it started from, and the gradient the update used; the end-of-run decoding is a stand-in that records
+    its prompts and reports the acceptance length DECODED_AL[T]."""
+    out, printed = tmp_path_factory.mktemp("accumulated") / "out", io.StringIO()
+    seen = {"micro": [], "grads": [], "prompts": []}
+    loss_step, clip = train.loss_step, torch.nn.utils.clip_grad_norm_
+
+    def recording_step(drafter, view, target, batch, cfg, *a, **k):
+        training = torch.is_grad_enabled()  # the evaluation runs without grad
+        if training and "start" not in seen:
+            seen["start"] = (copy.deepcopy(drafter), view, target, cfg)
+        loss, terms, slots = loss_step(drafter, view, target, batch, cfg, *a, **k)
+        if training:
+            seen["micro"].append((batch, loss.item()))
+        return loss, terms, slots
+
+    def recording_clip(params, *a, **k):
+        seen["grads"].append([p.grad.clone() for p in params])
+        return clip(params, *a, **k)
+
+    def decoding(drafter, target, ids, max_new_tokens, temperature, **k):
+        seen["prompts"].append((temperature, ids[0].tolist()))
+        stats = SimpleNamespace(mean_acceptance_length=DECODED_AL[temperature], tokens_per_second=1.0)
+        return torch.tensor([65]), stats
+
+    with pytest.MonkeyPatch.context() as m, contextlib.redirect_stdout(printed):
+        m.setattr(train, "loss_step", recording_step)
+        m.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
+        m.setattr(dflash2, "spec_generate", decoding)
+        summary = train.train(args_for({**world, "target": padded_target}, out, "--steps", "1", "--grad-accum", "2"))
+    return {"out": out, "summary": summary, "printed": printed.getvalue(), **seen}
+
+
+def test_the_logged_step_loss_is_the_mean_of_its_micro_steps(accumulated_run):
+    """--grad-accum 2: the step's loss that train() returns, the record holds and the log line prints is the mean
+    of its two micro-steps' losses."""
+    micro = [loss for _, loss in accumulated_run["micro"]]
+    want = sum(micro) / len(micro)
+    got = {"returned": accumulated_run["summary"]["losses"][1], "recorded": records(accumulated_run["out"], "train")[0]
+           ["loss"]}
+    assert len(micro) == 2 and all(math.isclose(v, want, rel_tol=1e-6) for v in got.values()), \
+        f"step 1's loss {got}, the mean of its micro-steps' losses {micro} is {want}"
+    assert f"step     1/1 | loss {want:.4f} " in accumulated_run["printed"], accumulated_run["printed"]
+
+
+def test_the_accumulated_gradient_is_the_mean_of_the_micro_steps(accumulated_run):
+    """--grad-accum 2: the gradient the clip and the update see is the mean of the two micro-batches' gradients
+    (each of its own loss, from the step's weights), computed here one micro-batch at a time. Twice that (the
+    micro-steps' sum) would let GRAD_CLIP bite at half the true norm."""
+    drafter, view, target, cfg = accumulated_run["start"]
+    each = []
+    for batch, _ in accumulated_run["micro"]:
+        drafter.zero_grad(set_to_none=True)
+        train.loss_step(drafter, view, target, batch, cfg)[0].backward()
+        each.append([p.grad.clone() for p in drafter.parameters()])
+    got = accumulated_run["grads"][0]
+    want = [(a + b) / 2 for a, b in zip(*each)]
+    assert len(got) == len(want) and sum(bool(g.any()) for g in want) > len(want) / 2, \
+        "the update's gradients are not the drafter's parameters', or mostly zero"
+    for i, (g, w) in enumerate(zip(got, want)):  # the same float32 operations, summed in another order
+        assert (g - w).norm() <= 1e-5 * w.norm(), f"parameter {i}: the accumulated gradient is off the micro-steps' " \
+            f"mean by {((g - w).norm() / w.norm()).item():.3g} of its norm (norm ratio " \
+            f"{(g.norm() / w.norm()).item():.3f})"
+
+
+def test_a_padded_embedding_table_gives_the_mask_token_a_row_no_token_uses(accumulated_run, padded_target):
+    """A target whose embedding table is padded past its tokenizer, which has no mask token: the drafter's mask
+    token is the first padded row (one no token uses), not a special token of the tokenizer."""
+    tokenizer, vocab_size = train.load_tokenizer(padded_target), AutoConfig.from_pretrained(padded_target).vocab_size
+    assert tokenizer.mask_token_id is None and sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
+    got = checkpoint.load_export(accumulated_run["out"] / "checkpoint").config.mask_token_id
+    line = next((l for l in accumulated_run["printed"].splitlines() if l.startswith("mask token")), None)
+    assert got == len(tokenizer) < vocab_size, f"mask token {got} ({line}), want {len(tokenizer)}: the first of the " \
+        f"rows {len(tokenizer)}..{vocab_size - 1} that no token of the {len(tokenizer)} uses"
+
+
+def test_the_summary_and_record_report_each_temperatures_acceptance_length(accumulated_run):
+    """al_t0 and al_t1 (train()'s summary and the record's eval line) are the T = 0 and the T = 1 decoding's mean
+    acceptance lengths (the stand-in decoder reports 3.5 and 1.25)."""
+    want = {"al_t0": DECODED_AL[0.0], "al_t1": DECODED_AL[1.0]}
+    recorded = records(accumulated_run["out"], "eval")[-1]
+    for where, got in (("summary", accumulated_run["summary"]), ("record", recorded)):
+        assert {k: got.get(k) for k in want} == want, f"the {where}'s {[(k, got.get(k)) for k in want]}, want {want}"
+
+
+def test_held_out_prompts_end_before_the_first_answer_token(world, accumulated_run, padded_target):
+    """The end-of-run decoding's prompts, at both temperatures, are the held-out conversations' (the data's last
+    --val-size 4) first user turns as the chat template renders them for generation: everything before the
+    answer's first token, none of it."""
+    tokenizer = train.load_tokenizer(padded_target)
+    held_out = [json.loads(line)["messages"] for line in open(world["data"]).read().splitlines()[-4:]]
+    want = [tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
+            ["input_ids"] for c in held_out]
+    for T in DECODED_AL:
+        got = [ids for t, ids in accumulated_run["prompts"] if t == T]
+        for k, (g, w) in enumerate(zip(got, want)):
+            assert g == w, f"T = {T}, prompt {k}: {tokenizer.decode(g[-12:])!r} ends the decoded prompt " \
+                f"({len(g)} tokens), the generation prompt ends {tokenizer.decode(w[-12:])!r} ({len(w)} tokens)"
+        assert len(got) == len(want), f"T = {T}: {len(got)} prompts decoded, {len(want)} held out"
