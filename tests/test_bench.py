@@ -598,7 +598,11 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
+    real_spec, asked = dflash2.spec_generate, []
+    monkeypatch.setattr(dflash2, "spec_generate", lambda *a, **k: asked.append(k["draft_tokens"]) or real_spec(*a, **k))
     w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, lookup_ks=(2, 4), log=lambda *a: None)
+    monkeypatch.setattr(dflash2, "spec_generate", real_spec)
+    assert sorted(asked) == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate: {asked}"
     names = ["target_generate", "transformers generate", "prompt lookup, k = 2", "prompt lookup, k = 4",
              "spec_generate, 3 drafts", "spec_generate, 5 drafts", "spec_generate, 7 drafts"]
     assert sorted(w["tokens_per_s"]) == sorted(names) and w["prompts"] == 3, w["tokens_per_s"]
@@ -616,7 +620,6 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
         assert got["accepted_at"][:n] == pytest.approx(by_hand, abs=1e-12), (n, got["accepted_at"], by_hand)
         assert got["break_even_al"] == pytest.approx(got["cycle_seconds"] / w["plain_step_seconds"])
     assert set(w["verify_seconds"]) == {1, 4, 6, 8} and all(t > 0 for t in w["verify_seconds"].values())
-    real_spec = dflash2.spec_generate
     monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, p, *a, **k: (
         (lambda out: (out[0] + (len(p[0]) == 3), out[1]))(real_spec(d, t, p, *a, **k))))
     with pytest.raises(RuntimeError, match="prompt 1: spec_generate, 3 drafts's greedy output differs"):
@@ -629,6 +632,19 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
                         log=lambda *a: None)
     assert w["outputs_differ"]["prompt lookup, k = 2"] == 3 and w["outputs_differ"]["transformers generate"] == 0, \
         w["outputs_differ"]
+
+
+def test_acceptance_counts_are_the_fields_three_ways_of_counting():
+    """Two requests of unequal length, counted by hand: the per-request mean AL averages each request's
+    mean (a short request weighs as much as a long one), the pooled AL divides all tokens by all cycles,
+    and draft position k's share is the cycles that accepted it over all cycles."""
+    short = dflash2.GenerationStats(acceptance_lengths=[4], accepted_per_slot=[1, 1, 1])
+    long = dflash2.GenerationStats(acceptance_lengths=[1, 2, 1, 2], accepted_per_slot=[2, 0, 0])
+    got = real.acceptance_counts([short, long])
+    want = {"mean_al": (4 + 1.5) / 2, "pooled_al": 10 / 5, "cycles": 5, "accepted_at": [3 / 5, 1 / 5, 1 / 5]}
+    assert {k: got[k] for k in want if k != "accepted_at"} == pytest.approx({k: v for k, v in want.items()
+                                                                             if k != "accepted_at"}), (got, want)
+    assert got["accepted_at"] == pytest.approx(want["accepted_at"]), (got, want)
 
 
 def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkeypatch):
