@@ -96,7 +96,7 @@ def default_target_layer_ids(num_target_layers, num_features=5):
 class TargetView:
     """What the drafter borrows from the target; target_view gives the plain forms (a family's: harness/target.py)
         embed(ids) = W_in[ids] · input_embedding_scale
-        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(y) = c·tanh(y / c)"""
+        logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(·) = c·tanh(· / c)"""
     W_in: torch.Tensor   # (V, H) the input embedding rows, raw (factored codebooks read them)
     embed: Callable      # ids (...) -> (..., H)
     logits: Callable     # final hidden states (..., H) -> (..., V)
@@ -116,7 +116,7 @@ def embed_rows(c, W_in, ids):
     return x * c.input_embedding_scale if c.input_embedding_scale != 1 else x
 
 def transformed_logits(c, y):
-    """lm_head's output y (..., V) at least fp32, × output_multiplier, then soft-capped."""
+    """lm_head's output (..., V) at least fp32, × output_multiplier, then soft-capped."""
     y, cap = y.to(torch.promote_types(y.dtype, torch.float32)), c.final_logit_softcapping
     y = y * c.output_multiplier if c.output_multiplier != 1 else y
     return torch.tanh(y / cap) * cap if cap else y
@@ -167,8 +167,8 @@ class DraftCache:
         return k, v
 
 def window_mask(query_pos, key_pos, window, mask=None):
-    """A sliding layer's view (§1): position p sees key position k iff |p − k| < W (from each query, as the
-    inference reference; never causal). query_pos (b, n), key_pos (b, m) -> (b, 1, n, m) bool, and mask."""
+    """A sliding layer's view (§1): a query sees a key iff their positions are less than W apart (from each query, as
+    the inference reference; never causal). query_pos (b, n), key_pos (b, m) -> (b, 1, n, m) bool, and mask."""
     near = (query_pos[:, :, None] - key_pos[:, None, :]).abs() < window
     return near[:, None] if mask is None else mask & near[:, None]
 
@@ -213,7 +213,7 @@ class MLP(nn.Module):
 
 def local_conv(x, delta, base, block_size):
     """Grouped dynamic causal convolution along each block (§2):
-        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, g(c)]) · x[i − τ, c],  g(c) = c // G,  x[i − τ] := 0 if (i mod B) < τ
+        out[i, c] = Σ_{τ<Kc} (base[τ, c] + δ[i, τ, c // G]) · x[i − τ, c],  x[i − τ] := 0 if (i mod B) < τ
     x (b, N·B, H) block by block (or one block of at most B tokens); delta (b, N·B, Kc, H/G) at the output position;
     base (Kc, H). Packed blocks sit back to back: a tap reaching across a block start would read the previous block,
     so it is zeroed, not only the row's first."""
@@ -266,8 +266,8 @@ class DecoderLayer(nn.Module):
 
 # --- candidate selector (§3) -------------------------------------------------
 class CandidateSelector(nn.Module):
-    """E[k](p, c) = U[k, c] + Σ_r A[p, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
-    A, Bc: [V, R] tables ("free"), or ("factored") A[p] = W_A·W_in[p], Bc[c] = W_B·W_in[c] with W_in the target's
+    """E[k](prev, c) = U[k, c] + Σ_r A[prev, r] · P[k, r] · Bc[c, r],  P[k] = hidden_projection(h[k]).
+    A, Bc: [V, R] tables ("free"), or ("factored") A[prev] = W_A·W_in[prev], Bc[c] = W_B·W_in[c], W_in the target's
     frozen input embedding rows, passed in: 3·H·R parameters, not H·R + 2·V·R."""
     def __init__(self, c):
         super().__init__()
@@ -283,10 +283,6 @@ class CandidateSelector(nn.Module):
     def edge_scores(self, h, U, prev, cand, W_in=None):
         """h (..., H), U (..., V), prev (...) predecessor ids, cand (..., K) -> E (..., K) fp32 (even under autocast:
         in bf16 about 1% of the argmaxes flip); W_in: the target's rows, for factored codebooks."""
-        return U.gather(-1, cand).float() + self.pairwise_scores(h, prev, cand, W_in)
-
-    def pairwise_scores(self, h, prev, cand, W_in=None):
-        """E's low-rank part Σ_r A[p, r]·P[k, r]·Bc[c, r], fp32: h (..., H), prev (...), cand (..., K) -> (..., K)."""
         require(not self.factored or W_in is not None,
                 "a selector with factored codebooks needs the target's input embedding rows (W_in=)")
         with torch.autocast(h.device.type, enabled=False):
@@ -296,7 +292,7 @@ class CandidateSelector(nn.Module):
                 Bc = F.linear(W_in[cand].float(), self.successor_projection.weight.float())   # (..., K, R)
             else:
                 A, Bc = self.predecessor_codebook[prev].float(), self.successor_codebook[cand].float()
-            return torch.einsum("...r,...kr->...k", A * P, Bc)
+            return U.gather(-1, cand).float() + torch.einsum("...r,...kr->...k", A * P, Bc)
 
     def walk(self, h, U, anchor, temperature=0.0, generator=None, W_in=None):
         """The walk from the verified anchor (§3): h (M, B-1, H), U (M, B-1, V), anchor (M,) -> path (M, B-1), cand
@@ -338,6 +334,15 @@ def init_weights(drafter):
             nn.init.normal_(m.predecessor_codebook, std=0.02)
             m.successor_codebook.zero_()
 
+def unary_drafts(U, temperature, generator=None, top_p=1.0, top_k=0):
+    """The selector off (§3): each slot's argmax of U (M, B-1, V) at T = 0, else a draw from sampling_probs(U).
+    -> path (M, B-1), None (every token is a candidate), q (M, B-1, V) the law each token was drawn from."""
+    if temperature == 0:
+        path = U.argmax(-1)
+        return path, None, F.one_hot(path, U.shape[-1]).float()
+    q = sampling_probs(U, temperature, top_p, top_k)
+    return torch.multinomial(q.view(-1, q.shape[-1]), 1, generator=generator).view(q.shape[:-1]), None, q
+
 class DFlash2Drafter(nn.Module):
     """Parameter names follow §7 (the export: the state_dict, factored tables materialized). rope(config, positions)
     -> (inv_freq, scale): plain_rope, or the tables of the target's type (rope_scaling) from target.rope_tables."""
@@ -355,22 +360,25 @@ class DFlash2Drafter(nn.Module):
         self.grad_checkpoint = False  # True: keep only each layer's input, recompute the layer in backward
         init_weights(self)
 
+    def rope_and_masks(self, block_pos, ctx_pos, mask, cache, dtype):
+        """RoPE tables of the block and context positions, and masks by layer window (None: mask; W: ∧ window_mask)."""
+        c, W = self.config, self.config.sliding_window
+        inv_freq, scale = self.rope(c, torch.cat([ctx_pos, block_pos], 1))
+        block_rope, ctx_rope = (rope_cos_sin(pos, inv_freq, scale, dtype) for pos in (block_pos, ctx_pos))
+        masks, keys = {None: mask}, ctx_pos
+        if W and "sliding_attention" in (c.layer_types or ()):
+            if cache is not None:  # the keys a cached pass sees: the last W − 1 context positions (all extend keeps)
+                end = cache.length + ctx_pos.shape[1]
+                keys = torch.arange(max(0, end - (W - 1)), end, device=block_pos.device).expand(block_pos.shape[0], -1)
+            masks[W] = window_mask(block_pos, torch.cat([keys, block_pos], 1), W, mask)
+        return block_rope, ctx_rope, masks
+
     def forward(self, block_embeds, block_pos, f, ctx_pos, mask=None, cache=None):
         """block_embeds (b, N·B, H) the block tokens' target embeddings at block_pos (b, N·B); f (b, S, nf·H) the
         target's context features at ctx_pos (b, S), only the new context with a cache; mask (b, 1, N·B, S + N·B)
         bool (True = may attend) or None (= see everything). -> h (b, N·B, H), normalized."""
-        c, W = self.config, self.config.sliding_window
         ctx = self.hidden_norm(self.fc(f))  # computed once, shared by every layer
-        positions = torch.cat([ctx_pos, block_pos], 1)
-        inv_freq, scale = self.rope(c, positions)
-        block_rope, ctx_rope = (rope_cos_sin(pos, inv_freq, scale, block_embeds.dtype) for pos in (block_pos, ctx_pos))
-        masks = {None: mask}
-        if W and "sliding_attention" in (c.layer_types or ()):
-            if cache is not None:  # the keys a cached pass sees: the last W − 1 context positions (all extend keeps)
-                end = cache.length + f.shape[1]
-                ctx_keys = torch.arange(max(0, end - (W - 1)), end, device=block_pos.device)
-                positions = torch.cat([ctx_keys.expand(block_pos.shape[0], -1), block_pos], 1)
-            masks[W] = window_mask(block_pos, positions, W, mask)
+        block_rope, ctx_rope, masks = self.rope_and_masks(block_pos, ctx_pos, mask, cache, block_embeds.dtype)
         h, recompute = block_embeds, self.grad_checkpoint and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             args = (h, ctx, block_rope, ctx_rope, masks[layer.self_attn.window], cache, i)
@@ -380,17 +388,11 @@ class DFlash2Drafter(nn.Module):
         return self.norm(h)
 
     def propose(self, h, U, anchor, temperature=0.0, generator=None, *, top_p=1.0, top_k=0, W_in=None):
-        """Drafts for slots 1..B-1 (§3): the walk, or with the selector off the argmax of U (T = 0) or a draw from
-        sampling_probs. -> path (M, B-1), cand and q (M, B-1, K or V): the law each token was drawn from."""
-        if self.config.selector_top_k:
-            return self.candidate_selector.walk(h, U, anchor, temperature, generator, W_in)
-        M, n, V = U.shape
-        cand = torch.arange(V, device=U.device).expand(M, n, V)
-        if temperature == 0:
-            path = U.argmax(-1)
-            return path, cand, F.one_hot(path, V).float()
-        q = sampling_probs(U, temperature, top_p, top_k)
-        return torch.multinomial(q.view(-1, V), 1, generator=generator).view(M, n), cand, q
+        """Drafts for slots 1..B-1 (§3) and the law each was drawn from: the walk's path (M, B-1), cand and q (M, B-1,
+        K), or with the selector off unary_drafts'. -> (path, cand, q)."""
+        if self.candidate_selector is None:
+            return unary_drafts(U, temperature, generator, top_p, top_k)
+        return self.candidate_selector.walk(h, U, anchor, temperature, generator, W_in)
 
 # --- anchors, block layout and mask (§6) -------------------------------------
 def sample_anchors(loss_mask, max_anchors, generator=None):
@@ -452,12 +454,12 @@ class Batch:
 
 @dataclass(frozen=True)
 class LossConfig:
-    """The §6 loss's settings (train.py's loss flags), checked once, when made."""
-    loss_type: str = "kl"                # unary term: "kl" to the target's softmax, or "ce" on its argmax
+    """The §6 loss's settings, checked once, when made (train.py: the flags named below, γ and α, the memory plan)."""
+    loss_type: str = "kl"                # --loss: the unary term, "kl" to the target's softmax or "ce" on its argmax
     gamma: float | None = None           # slot weights w_k = exp(-(k-1)/γ); None: default_gamma(B)
     alpha: float = 1.0                   # L = L_unary + α·L_sel
-    selector_labels: str = "argmax"      # π: "argmax" (one-hot on the target's token) or "soft" (its law on C)
-    soft_labels_at: tuple | None = None  # soft π at a sampling setting (T, top_p, top_k); None: softmax
+    selector_labels: str = "argmax"      # --selector-labels: π, "argmax" (one-hot on y) or "soft" (p on C)
+    soft_labels_at: tuple | None = None  # --selector-labels T,TOP_P,TOP_K: soft π at that sampling setting; None: p
     accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
     chunk_size: int | None = None        # slots whose logits live at once; several chunks are recomputed in backward
 
@@ -474,8 +476,7 @@ def slot_sums(view, selector, cfg, h, g, prev, w):
         unary     kl: ℓ = Σ_v p_v·(log p_v − log q_v),  p = softmax(z), q = softmax(U);   ce: ℓ = −log q_y,  y = argmax z
         selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(U, K),  π = one-hot(y) ("argmax") or the
                   target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at))
-    -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only). train.py
-    compiles it."""
+    -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
     U, z = view.logits(h), view.logits(g)
     log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
     soft = selector is not None and cfg.selector_labels == "soft"
@@ -488,7 +489,7 @@ def slot_sums(view, selector, cfg, h, g, prev, w):
     if selector is None:
         return sums
     C = U.topk(selector.top_k, dim=-1).indices                                      # (n, K)
-    E = U.gather(-1, C) + selector.pairwise_scores(h, prev, C, view.W_in)           # edge_scores, U(C) as U is
+    E = selector.edge_scores(h, U, prev, C, view.W_in)                              # (n, K)
     if soft:
         pi = (sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p).gather(-1, C)
     else:
@@ -505,18 +506,16 @@ class Slots:
     prev: torch.Tensor
     counted: torch.Tensor
 
-def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
+def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums):
     """The drafter over the batch's packed blocks, then the sums the §6 loss divides over the counted slots, chunk_size
     at a time (with more than one chunk, their (n, V) logits recomputed in backward). sums_fn: slot_sums or it
-    compiled; forward: the drafter's (data parallel: its DDP wrapper). -> ({unary, unary_weight (Σ w), selector,
-    selector_weight}, Slots)."""
+    compiled. -> ({unary, unary_weight (Σ w), selector, selector_weight}, Slots)."""
     cfg = cfg or LossConfig()
     c, (b, S), N = drafter.config, batch.input_ids.shape, batch.anchors.shape[1]
     ids, pos = block_layout(batch.input_ids, batch.anchors, c.block_size, c.mask_token_id)
     mask = block_attention_mask(batch.anchors, batch.attention_mask, c.block_size)
     dtype, ctx_pos = drafter.fc.weight.dtype, torch.arange(S, device=ids.device).expand(b, S)
-    h = (forward or drafter)(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask)
-    h = h.view(b, N, c.block_size, -1)
+    h = drafter(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask).view(b, N, c.block_size, -1)
     counted, src = block_slots(batch.anchors, batch.anchor_valid, batch.loss_mask, c.block_size)
     rows = torch.arange(b, device=ids.device)[:, None, None]
     slots = Slots(h[:, :, 1:], batch.g[rows, src], batch.input_ids[rows, src], counted)
@@ -534,15 +533,13 @@ def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums, forward=None):
     sums = {k: sum(p[k] for p in parts) for k in parts[0]}
     return {**sums, "unary_weight": w.sum()}, slots
 
-def loss_from_sums(sums, alpha, weights=None):
-    """L = unary / unary_weight + α·selector / selector_weight (§6; a sum over no slot is 0 / 1e-9 = 0). weights: the
-    denominators to use instead of the batch's own (data parallel: the ranks' mean, so the ranks' mean gradient is
-    the global batch's). -> (L, {loss, unary_loss, selector_loss} detached)."""
-    w_unary, w_selector = (sums["unary_weight"], sums.get("selector_weight")) if weights is None else weights
-    loss = unary_loss = sums["unary"] / w_unary.clamp(min=1e-9)
+def loss_from_sums(sums, alpha):
+    """L = unary / unary_weight + α·selector / selector_weight (§6; a sum over no slot is 0 / 1e-9 = 0).
+    -> (L, {loss, unary_loss, selector_loss} detached)."""
+    loss = unary_loss = sums["unary"] / sums["unary_weight"].clamp(min=1e-9)
     stats = {"unary_loss": unary_loss.detach()}
     if "selector" in sums:
-        selector_loss = sums["selector"] / w_selector.clamp(min=1e-9)
+        selector_loss = sums["selector"] / sums["selector_weight"].clamp(min=1e-9)
         loss = loss + alpha * selector_loss
         stats["selector_loss"] = selector_loss.detach()
     return loss, {**stats, "loss": loss.detach()}
@@ -584,7 +581,7 @@ def verify_greedy(draft, logits):
 
 def acceptance_probability(p, q, token):
     """Keep a draft token with probability min(1, p[token] / q[token]). A token the target gives p = 0 is never
-    kept, even where q = 0 too (0/0 would be NaN, and u >= NaN is False)."""
+    kept, even where q = 0 too (0/0 would be NaN, and a draw >= NaN is False)."""
     return torch.where(p[token] > 0, torch.clamp(p[token] / q[token], max=1.0), 0.0)
 
 def residual_distribution(p, q):
@@ -597,8 +594,8 @@ def verify_sampled(draft, q, p, generator=None):
     law each draft was drawn from (0 outside its candidates, conditional on the drafted predecessor), p (n+1, V) the
     target's laws. Emitted tokens follow p exactly. -> (n_accepted, bonus)."""
     for i, d in enumerate(draft.tolist()):
-        u = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
-        if u >= acceptance_probability(p[i], q[i], d):
+        draw = torch.rand((), generator=generator, device=p.device, dtype=p.dtype)
+        if draw >= acceptance_probability(p[i], q[i], d):
             return i, int(torch.multinomial(residual_distribution(p[i], q[i]), 1, generator=generator))
     return len(draft), int(torch.multinomial(p[len(draft)], 1, generator=generator))
 
@@ -621,8 +618,8 @@ def target_cache(target, forward_tokens=0):
 
 def draft_forward(drafter, view, anchor, new_f, draft_cache):
     """The draft half (§5): the block [anchor, MASK, ..., MASK] at a..a+B−1 through the drafter, which first appends
-    new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then the target's logits of slots
-    1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32): propose's inputs."""
+    new_f (1, ·, nf·H), the target features it has not read yet, to draft_cache; then U, the drafter's logits (its h
+    through the target's lm_head) of slots 1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32)."""
     c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
     a = draft_cache.length + new_f.shape[1]  # the context is 0..a−1, the anchor sits at a
     block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
@@ -647,7 +644,8 @@ def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, n
         n_acc, bonus = verify_greedy(draft, logits)
     else:
         p = sampling_probs(logits.double(), temperature, top_p, top_k)
-        n_acc, bonus = verify_sampled(draft, q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1]), p, generator)
+        q_v = q[0, :n].double() if cand is None else q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1])
+        n_acc, bonus = verify_sampled(draft, q_v, p, generator)
     # roll back: the target drops the n − n_acc rejected drafts (transformers 5: crop(−m) drops the last m; crop(0)
     # drops nothing but trims the layers that recorded their past); the drafter's next new context is the
     # features of the anchor and the accepted drafts (the bonus is the next anchor)
@@ -701,12 +699,12 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
 
 @torch.no_grad()
 def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                  stop_token_ids=None, generator=None, view=None):
-    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5). view: the target as the drafter reads
-    it (None: target_view's plain forms). -> (new token ids (n,), GenerationStats). Equals target_generate's output
-    token for token at T = 0, follows its law at T > 0."""
-    check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k)
+                  stop_token_ids=None, generator=None, view=None, draft_tokens=None):
+    """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5): equals target_generate's output token
+    for token at T = 0, follows its law at T > 0. view: the target as the drafter reads it (None: target_view's plain
+    forms); draft_tokens: the drafts a cycle verifies, 1..B−1 (None: B−1). -> (new ids (n,), GenerationStats)."""
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
+    check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k, draft_tokens, B)
     view = view or target_view(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
     cache, draft_cache = target_cache(target, forward_tokens=B), DraftCache(c.num_layers)  # [anchor ; <= B−1 drafts]
@@ -716,7 +714,7 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     first = int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))
     done = emit(tokens, [first], stop_ids, max_new_tokens)
     while not done:
-        n = min(B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
+        n = min(draft_tokens or B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
         anchor = torch.tensor([tokens[-1]], device=dev)  # the last emitted token; the target has not read it yet
         committed, new_f = speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n,
                                                    temperature, top_p, top_k, generator)
@@ -806,9 +804,11 @@ def check_sampling(temperature, top_p, top_k):
     require(0 < top_p <= 1, f"top_p ({top_p}) must be in (0, 1]")
     require(isinstance(top_k, int) and top_k >= 0, f"top_k ({top_k!r}) must be an integer >= 0")
 
-def check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k):
+def check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k, draft_tokens=None, block_size=None):
     require(input_ids.dim() == 2 and input_ids.shape[0] == 1 and input_ids.shape[1] >= 1,
             f"input_ids shape {tuple(input_ids.shape)}: expected (1, P) with P >= 1 (batch 1)")
     require(isinstance(max_new_tokens, int) and max_new_tokens >= 1,
             f"max_new_tokens ({max_new_tokens!r}) must be an integer >= 1")
+    require(draft_tokens is None or isinstance(draft_tokens, int) and 1 <= draft_tokens < block_size,
+            f"draft_tokens ({draft_tokens!r}) must be an integer from 1 to block_size − 1 (block_size = {block_size})")
     check_sampling(temperature, top_p, top_k)

@@ -438,8 +438,8 @@ def test_shapes_and_dtypes_of_layout_mask_drafter_and_proposals(target, batch):
 
     v1 = make_drafter(conv_kernel_size=0, selector_top_k=0)
     path, cand, q = v1.propose(slots_h, unary, anchor_ids, 0.8)
-    assert path.shape == (b * N, B - 1) and cand.shape == q.shape == (b * N, B - 1, V), \
-        f"v1 propose: path {tuple(path.shape)}, cand {tuple(cand.shape)}, q {tuple(q.shape)}; q must span all of V"
+    assert path.shape == (b * N, B - 1) and cand is None and q.shape == (b * N, B - 1, V), \
+        f"v1 propose: path {tuple(path.shape)}, cand {cand}, q {tuple(q.shape)}; q must span all of V (cand None)"
 
 
 def test_loss_is_a_float64_scalar_with_grad_and_every_stat(target, batch):
@@ -754,8 +754,8 @@ def test_edge_scores_equal_loop():
 
 
 def test_factored_selector_scores_and_walks_equal_loops(target):
-    """Factored codebooks: A[p] = W_A·E[p], Bc[c] = W_B·E[c] with E the target's input
-    embedding rows W_in, against the loop of ref_codebook_row; the greedy walk feeds its choices
+    """Factored codebooks: A[prev] = W_A·W_in[prev], Bc[c] = W_B·W_in[c] with W_in the target's
+    input embedding rows, against the loop of ref_codebook_row; the greedy walk feeds its choices
     forward through them; without W_in the selector refuses in one sentence."""
     sel = make_drafter(randomize=True, selector_codebooks="factored").candidate_selector
     W_in = target.model.embed_tokens.weight
@@ -1110,15 +1110,13 @@ def assert_same_loss(got, want, what, tol):
 
 
 def float64_scores(monkeypatch, sel):
-    """sel's scores without their cast to fp32 (kept on purpose, §8), in the loss (pairwise_scores)
-    and the metrics (edge_scores): fp32 scores would hide a chunking error of 1e-10 behind rounding
-    of 1e-7. monkeypatch.undo() restores the real ones."""
-    def pairwise(h, prev, cand, W_in=None):  # free codebooks: W_in is not read
-        return torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev] * sel.hidden_projection(h),
-                            sel.successor_codebook[cand])
-    monkeypatch.setattr(sel, "pairwise_scores", pairwise)
-    monkeypatch.setattr(sel, "edge_scores", lambda h, unary, prev, cand, W_in=None:
-                        unary.gather(-1, cand) + pairwise(h, prev, cand))
+    """sel's edge scores without their cast to fp32 (kept on purpose, §8), in the loss and the
+    metrics: fp32 scores would hide a chunking error of 1e-10 behind rounding of 1e-7.
+    monkeypatch.undo() restores the real ones."""
+    def edge_scores(h, unary, prev, cand, W_in=None):  # free codebooks: W_in is not read
+        return unary.gather(-1, cand) + torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev]
+                                                     * sel.hidden_projection(h), sel.successor_codebook[cand])
+    monkeypatch.setattr(sel, "edge_scores", edge_scores)
 
 
 def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):

@@ -178,15 +178,25 @@ def mean_over_ranks(*values):
     dist.all_reduce(total)
     return total / dist.get_world_size()
 
+class LossSums(torch.nn.Module):
+    """dflash2.loss_sums as a module, for DistributedDataParallel to wrap: its forward runs the drafter."""
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+
+    def forward(self, *args):
+        return dflash2.loss_sums(self.drafter, *args)
+
 def loss_step(drafter, view, target, batch, cfg, sums_fn=dflash2.slot_sums, ddp=None):
-    """The DFlash2 loss of a step_inputs Batch -> (loss, its detached terms, the Slots). ddp: the drafter's
-    DistributedDataParallel wrapper, which runs the forward; the loss weights are the global batch's."""
+    """The DFlash2 loss of a step_inputs Batch -> (loss, its detached terms, the Slots). ddp: DistributedDataParallel
+    around LossSums(drafter), which runs the forward; the loss weights are then the global batch's."""
     with below_float32(target):
-        sums, slots = dflash2.loss_sums(drafter, view, batch, cfg, sums_fn, ddp)
-    weights = None
+        sums, slots = (dflash2.loss_sums(drafter, view, batch, cfg, sums_fn) if ddp is None else
+                       ddp(view, batch, cfg, sums_fn))
     if ddp is not None:
         weights = mean_over_ranks(sums["unary_weight"], sums.get("selector_weight", sums["unary_weight"]))
-    return (*dflash2.loss_from_sums(sums, cfg.alpha, weights), slots)
+        sums = {**sums, "unary_weight": weights[0], "selector_weight": weights[1]}
+    return (*dflash2.loss_from_sums(sums, cfg.alpha), slots)
 
 def step_line(step, total, loss, s, lr, tokens_per_second, eta):
     """A logged step's line; s: its stats (rank 0's micro-batches; "-": selector off), loss: all ranks'."""
@@ -262,7 +272,7 @@ def train(args, decode_prompts=EVAL_PROMPTS):
     step = checkpoint.resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
     # data parallel: DDP starts every replica from rank 0's weights and averages each gradient during the backward;
     # the forward must go through it: one that does not leaves the gradients unreduced and the replicas drift apart
-    ddp = DistributedDataParallel(drafter) if world > 1 else None
+    ddp = DistributedDataParallel(LossSums(drafter)) if world > 1 else None
     os.makedirs(args.out_dir, exist_ok=True)
     sums_fn, loss_cfg = compiled_loss(device, log), loss_config(args, c.vocab_size)
     view = dflash2.target_view(c, target)

@@ -55,7 +55,7 @@ def measure(args, log=print):
     from harness.target import load_target, load_tokenizer
     defaults = real.parse_args([])
     target_path, _, _ = real.real_world(defaults.cache_dir, defaults.train_prompts, defaults.held_out_rows,
-                                        defaults.answer_tokens, defaults.regen_batch_size, log)
+                                        defaults.answer_tokens, defaults.regen_batch_size, defaults.packages, log)
     tokenizer, target = load_tokenizer(target_path), load_target(target_path, "float32", torch.device("cpu"))
     drafter = checkpoint.load_export(args.export).eval()
     peer = DFlash2DraftModel.from_pretrained(args.export, dtype=torch.float32).eval()

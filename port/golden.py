@@ -859,7 +859,8 @@ def put_losses(put, drafter, target, batch, inp):
     rank_sums = [dflash2.loss_sums(drafter, view, plain(rows=slice(r, r + 1)))[0] for r in range(2)]
     sums = [torch.stack([s["unary_weight"], s["selector_weight"]]) for s in rank_sums]
     mean = torch.stack(sums).mean(0)
-    rank_losses = torch.stack([dflash2.loss_from_sums(s, 1.0, tuple(mean))[0].detach() for s in rank_sums])
+    mean_weights = {"unary_weight": mean[0], "selector_weight": mean[1]}
+    rank_losses = torch.stack([dflash2.loss_from_sums({**s, **mean_weights}, 1.0)[0].detach() for s in rank_sums])
     put("loss.data_parallel.weight_sums", torch.stack(sums), "(ranks, 2) each rank's (Σw unary, Σ w·m selector), "
         "rank r holding batch row r")
     put("loss.data_parallel.rank_losses", rank_losses, "(ranks,) each rank's L with its sums divided by the ranks' "

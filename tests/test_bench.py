@@ -141,7 +141,7 @@ def test_without_selector_is_a_selectorless_drafter_with_the_same_weights():
     assert torch.equal(h, h_unary), f"hidden states differ by {(h - h_unary).abs().max():.3g}"
     h, logits, anchor = torch.randn(3, 7, 32, generator=g), torch.randn(3, 7, 50, generator=g), torch.tensor([1, 2, 3])
     path, cand, q = unary.propose(h, logits, anchor)
-    assert torch.equal(path, logits.argmax(-1)) and cand.shape == (3, 7, 50), "the unary path is not the unary argmax"
+    assert torch.equal(path, logits.argmax(-1)) and cand is None, "the unary path is not the unary argmax"
     assert not torch.equal(drafter.propose(h, logits, anchor)[0], path), \
         "the drafter with its selector proposed the unary argmax too: the test cannot tell the two apart"
 
@@ -364,6 +364,27 @@ def docstring_words(request):
     return " ".join(request.split('"""')[1].split())
 
 
+def test_package_requests_are_an_installed_packages_documented_functions_beside_the_stdlibs(tmp_path, monkeypatch):
+    """A package found on the path (never imported): its documented public functions, in its
+    subpackages too, each its package's request; its testing folder, its private modules and the
+    requests the standard library already asks are left out; a name that is not installed is refused."""
+    monkeypatch.setattr(real, "stdlib_requests", lambda: [("os", real.HUMANEVAL_REQUEST.format(
+        'def shared(x):\n    """Return the thing asked for, computed the long way round.\n    """\n'))])
+    files = {"fakepkg/__init__.py": "raise ImportError('imported')\n", "fakepkg/core.py": documented("alpha"),
+             "fakepkg/sub/deep.py": documented("beta") + documented("shared"), "fakepkg/sub/__init__.py": "",
+             "fakepkg/testing/helpers.py": documented("gamma"), "fakepkg/_impl.py": documented("delta")}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    got = real.package_requests(["fakepkg"])
+    names = sorted((m, re.search(r"def (\w+)\(", r)[1]) for m, r in got)
+    assert names == [("fakepkg", "alpha"), ("fakepkg", "beta")], names
+    assert got == real.package_requests(["fakepkg"]), "the shuffle is not seeded"
+    with pytest.raises(ValueError, match="--packages: 'no_such_pkg' is not an installed package"):
+        real.package_requests(["no_such_pkg"])
+
+
 def test_held_out_modules_are_a_seeded_draw_not_the_alphabets_first():
     """Twelve modules of two requests, four rows asked: two modules held out. The default seed's
     (real_world's) are not the alphabet's first two, and over 60 seeds every module is drawn."""
@@ -472,6 +493,7 @@ def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeyp
     monkeypatch.setattr(real, "package_file", lambda package, name: str(tmp_path / name))
     requests = [("a", "write a1"), ("b", "write b1"), ("a", "write a2"), ("c", "write c1"), ("b", "write b2")]
     monkeypatch.setattr(real, "stdlib_requests", lambda: requests)
+    monkeypatch.setattr(real, "package_requests", lambda packages: [("p", f"write {p}1") for p in packages])
     monkeypatch.setattr(real, "held_out_modules", lambda requests, rows: {"b"})
     monkeypatch.setattr(target, "load_tokenizer", lambda path: None)
     monkeypatch.setattr(target, "load_target", lambda *a: None)
@@ -493,9 +515,16 @@ def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeyp
                                                                 "write b2"]),
                       (name.format("3.13.1", 2, "bfloat16"), 2, ["write a1", "write a2", "write b1", "write b2"])], \
         worlds
-    with pytest.raises(ValueError, match="modules not held out give 3 documented functions, fewer than "
-                                         "--train-prompts 4"):
+    with pytest.raises(ValueError, match="modules not held out and the packages give 3 documented functions, "
+                                         "fewer than --train-prompts 4"):
         real.real_world(str(tmp_path), 4, 2, 3, 1, log=lambda *a: None)
+    monkeypatch.setattr(platform, "python_version", lambda: "3.13.1")
+    _, chats, held_out = real.real_world(str(tmp_path), 0, 2, 3, 1, packages=("p", "q"), log=lambda *a: None)
+    rows = [json.loads(line)["messages"][0]["content"] for line in open(os.path.join(os.path.dirname(chats),
+                                                                                      "prompts.jsonl"))]
+    assert os.path.basename(os.path.dirname(chats)) == \
+        "real-smollm2-135m-humaneval-shaped-python3.13.1+p+q-5+2prompts-3tokens-bfloat16", chats
+    assert rows == ["write a1", "write a2", "write c1", "write p1", "write q1", "write b1", "write b2"], rows
 
 
 def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch):
@@ -558,27 +587,64 @@ def test_greedy_agreement_counts_answer_tokens_the_target_would_pick():
     assert got == want and got < 1, (got, want)
 
 
-def test_wall_clock_checks_identical_output_and_reports_the_break_even_it_measures(monkeypatch):
-    """On a tiny target and drafter: spec_generate's greedy output equals target_generate's, the
-    break-even AL is the reported cycle over the reported plain step, and the B = 4 estimate
-    swaps the 8-token verification for the 4-token one. A drafter that changes the output is
-    refused with the prompt's index."""
+def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the_prompts(monkeypatch):
+    """On a tiny target and drafter: every decoder a user could run (target_generate, transformers'
+    generate and its prompt lookup, spec_generate at each draft length) runs every prompt; spec_generate's
+    counts equal a loop over the prompts decoded again (per-request mean AL, pooled AL, the share of
+    cycles that accept each draft position), its cycles never commit more than draft length + 1 tokens,
+    and the break-even AL is the cycle over the plain step. A spec_generate output that differs stops the
+    run with the prompt's index; a transformers decoder that differs is counted."""
     from conftest import tiny_drafter
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
-    prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]])]
-    w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, log=lambda *a: None)
-    assert w["prompts"] == 2
-    assert w["break_even_al"][8] == pytest.approx(w["cycle_seconds"] / w["plain_step_seconds"])
-    v = w["verify_seconds"]
-    assert w["break_even_al"][4] == pytest.approx((w["cycle_seconds"] - v[8] + v[4]) / w["plain_step_seconds"])
-    assert set(v) == {1, 4, 8} and all(t > 0 for t in v.values())
-    assert 1 <= w["al_capped_at_4"] <= min(4, w["mean_al"])
-    real_spec = dflash2.spec_generate
+    prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
+    real_spec, asked = dflash2.spec_generate, []
+    monkeypatch.setattr(dflash2, "spec_generate", lambda *a, **k: asked.append(k["draft_tokens"]) or real_spec(*a, **k))
+    w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, lookup_ks=(2, 4), log=lambda *a: None)
+    monkeypatch.setattr(dflash2, "spec_generate", real_spec)
+    assert sorted(asked) == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate: {asked}"
+    names = ["target_generate", "transformers generate", "prompt lookup, k = 2", "prompt lookup, k = 4",
+             "spec_generate, 3 drafts", "spec_generate, 5 drafts", "spec_generate, 7 drafts"]
+    assert sorted(w["tokens_per_s"]) == sorted(names) and w["prompts"] == 3, w["tokens_per_s"]
+    assert all(v == 0 for k, v in w["outputs_differ"].items()), w["outputs_differ"]
+    assert set(w["spec"]) == {3, 5, 7}
+    for n, got in w["spec"].items():
+        stats = [dflash2.spec_generate(drafter, target, p, 12, stop_token_ids=[39], draft_tokens=n)[1]
+                 for p in prompts]
+        lengths = [s.acceptance_lengths for s in stats]
+        cycles = sum(map(len, lengths))
+        assert max(max(a) for a in lengths) <= n + 1, (n, lengths)
+        assert got["mean_al"] == pytest.approx(sum(sum(a) / len(a) for a in lengths) / 3), (n, got)
+        assert got["pooled_al"] == pytest.approx(sum(map(sum, lengths)) / cycles), (n, got)
+        by_hand = [sum(a > k + 1 for a_s in lengths for a in a_s) / cycles for k in range(n)]
+        assert got["accepted_at"][:n] == pytest.approx(by_hand, abs=1e-12), (n, got["accepted_at"], by_hand)
+        assert got["break_even_al"] == pytest.approx(got["cycle_seconds"] / w["plain_step_seconds"])
+    assert set(w["verify_seconds"]) == {1, 4, 6, 8} and all(t > 0 for t in w["verify_seconds"].values())
     monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, p, *a, **k: (
         (lambda out: (out[0] + (len(p[0]) == 3), out[1]))(real_spec(d, t, p, *a, **k))))
-    with pytest.raises(RuntimeError, match="prompt 1: spec_generate's greedy output differs"):
-        real.wall_clock(drafter, target, prompts, 12, stop_id=39, log=lambda *a: None)
+    with pytest.raises(RuntimeError, match="prompt 1: spec_generate, 3 drafts's greedy output differs"):
+        real.wall_clock(drafter, target, prompts, 12, stop_id=39, draft_lengths=[3], lookup_ks=(2,),
+                        log=lambda *a: None)
+    monkeypatch.setattr(dflash2, "spec_generate", real_spec)
+    generate = target.generate
+    monkeypatch.setattr(target, "generate", lambda p, **k: generate(p, **k) + (k.get("prompt_lookup_num_tokens") == 2))
+    w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, draft_lengths=[3], lookup_ks=(2,),
+                        log=lambda *a: None)
+    assert w["outputs_differ"]["prompt lookup, k = 2"] == 3 and w["outputs_differ"]["transformers generate"] == 0, \
+        w["outputs_differ"]
+
+
+def test_acceptance_counts_are_the_fields_three_ways_of_counting():
+    """Two requests of unequal length, counted by hand: the per-request mean AL averages each request's
+    mean (a short request weighs as much as a long one), the pooled AL divides all tokens by all cycles,
+    and draft position k's share is the cycles that accepted it over all cycles."""
+    short = dflash2.GenerationStats(acceptance_lengths=[4], accepted_per_slot=[1, 1, 1])
+    long = dflash2.GenerationStats(acceptance_lengths=[1, 2, 1, 2], accepted_per_slot=[2, 0, 0])
+    got = real.acceptance_counts([short, long])
+    want = {"mean_al": (4 + 1.5) / 2, "pooled_al": 10 / 5, "cycles": 5, "accepted_at": [3 / 5, 1 / 5, 1 / 5]}
+    assert {k: got[k] for k in want if k != "accepted_at"} == pytest.approx({k: v for k, v in want.items()
+                                                                             if k != "accepted_at"}), (got, want)
+    assert got["accepted_at"] == pytest.approx(want["accepted_at"]), (got, want)
 
 
 def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkeypatch):
@@ -594,7 +660,7 @@ def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkey
         with_kwargs=True)
     monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
     w = real.wall_clock(drafter, target, [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]])], 12, stop_id=39,
-                        log=lambda *a: None)
+                        draft_lengths=[7], lookup_ks=(2,), log=lambda *a: None)
     assert w["plain_step_seconds"] == pytest.approx(1.0), \
         f"plain step {w['plain_step_seconds']} s on a clock where each decoding forward takes 1 s"
 

@@ -9,6 +9,7 @@ float64 targets from transformers.Qwen3Config, nothing downloaded. The checkpoin
 import dataclasses
 import itertools
 import math
+import re
 
 import numpy as np
 import pytest
@@ -141,6 +142,40 @@ def test_acceptance_length_counts_only_committed_tokens(monkeypatch, target, dra
     assert stats.acceptance_lengths == [5, k - 5], f"acceptance lengths {stats.acceptance_lengths} != [5, {k - 5}]"
     per_slot = [1 + (slot < k - 5) for slot in range(4)]
     assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+
+
+@pytest.mark.parametrize("draft_tokens", [1, 2, 4])  # B = 5: one draft, a middle count, all B − 1
+@pytest.mark.parametrize("forced", [False, True], ids=["random-drafts", "right-drafts"])
+def test_fewer_draft_tokens_verify_only_that_many_and_stay_greedy(monkeypatch, target, drafter, greedy_reference,
+                                                                 draft_tokens, forced):
+    """draft_tokens = n: every verify call reads the anchor and at most n drafts, the output
+    is target_generate's token for token, and no cycle commits more than n + 1 tokens. With
+    every draft right each cycle commits exactly n + 1 until the last ones (a block of n + 1)."""
+    prompt, B = PROMPTS[2], drafter.config.block_size
+    want, _ = target_generate(target, torch.tensor([prompt]), MAX_NEW)
+    if forced:
+        force_drafts(monkeypatch, drafter, greedy_reference[prompt], [B - 1])
+    calls = record_forward(monkeypatch, target)
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, draft_tokens=draft_tokens)
+    assert_greedy_run(out, stats, want.tolist(), f"draft_tokens {draft_tokens}")
+    read = [args[0].shape[1] for args, _, _ in calls[1:]]
+    assert max(read) <= draft_tokens + 1, f"draft_tokens {draft_tokens}: verify calls read {read} tokens"
+    assert max(stats.acceptance_lengths) <= draft_tokens + 1, \
+        f"draft_tokens {draft_tokens}: acceptance lengths {stats.acceptance_lengths} pass n + 1 = {draft_tokens + 1}"
+    if forced:
+        lengths = expected_acceptance_lengths([B - 1], draft_tokens + 1, MAX_NEW)
+        assert stats.acceptance_lengths == lengths, f"draft_tokens {draft_tokens}, every draft right: acceptance " \
+            f"lengths {stats.acceptance_lengths} != {lengths}"
+
+
+@pytest.mark.parametrize("draft_tokens", [0, -1, 5, 2.0, "2"])  # B = 5: an integer in 1..4
+def test_a_draft_count_outside_one_to_b_minus_one_is_refused_before_the_target_runs(monkeypatch, target, drafter,
+                                                                                     draft_tokens):
+    calls = record_forward(monkeypatch, target)
+    with pytest.raises(ValueError, match=rf"draft_tokens \({re.escape(repr(draft_tokens))}\) must be an integer "
+                                         r"from 1 to block_size − 1 \(block_size = 5\)"):
+        spec_generate(drafter, target, torch.tensor([[1, 2]]), 4, draft_tokens=draft_tokens)
+    assert not calls, f"draft_tokens {draft_tokens!r}: the target ran {len(calls)} times before the refusal"
 
 
 def test_drafter_for_another_target_is_refused(target, drafter):
@@ -318,7 +353,10 @@ def test_propose_q_is_the_law_of_its_own_samples(target, drafter, selector, temp
     else:  # the filtered law, as log-probabilities (-inf outside its support) so that softmax(S/T) returns it
         law = torch.stack([brute_force_probs(U[j].tolist(), temperature, top_p, top_k) for j in range(n)])
         cands, S = [list(range(V))] * n, (temperature * law.log())[:, None, :].expand(n, V, V)
-    assert (cand == torch.tensor(cands)).all(), f"candidates {cand[0].tolist()} != top-K {cands}"
+    if selector:
+        assert (cand == torch.tensor(cands)).all(), f"candidates {cand[0].tolist()} != top-K {cands}"
+    else:
+        assert cand is None and q.shape[-1] == V, f"unary drafts: cand {cand}, q over {q.shape[-1]} tokens, not {V}"
     prev = torch.cat([torch.full((M, 1), anchor), path[:, :-1]], 1)
     if temperature == 0:
         want, p = [], anchor
@@ -429,6 +467,18 @@ def without_selector(drafter):
     return unary
 
 
+def sampled_runs(target, drafter, temperature, top_p, top_k, draft_tokens=None):
+    """LOOP_RUNS runs of 4 new tokens after LOOP_PROMPT, one generator -> (counts (V, V, V) of
+    the first 3 tokens, each run's acceptance lengths)."""
+    g, counts, lengths = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), []
+    for _ in range(LOOP_RUNS):
+        out, stats = spec_generate(drafter, target, torch.tensor([LOOP_PROMPT]), 4, temperature, top_p, top_k,
+                                   generator=g, draft_tokens=draft_tokens)
+        counts[tuple(out[:3].tolist())] += 1
+        lengths.append(stats.acceptance_lengths)
+    return counts, lengths
+
+
 @pytest.mark.parametrize("temperature, top_p, top_k, q_kind", [
     (0.7, 1.0, 0, "walk"), (1.0, 1.0, 0, "walk"), (1.6, 1.0, 0, "walk"), (1.0, 0.9, 5, "walk"),
     (1.0, 1.0, 3, "unary"), (1.0, 0.8, 0, "unary"), (1.3, 0.9, 4, "unary"),
@@ -449,12 +499,8 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
         replace_q(monkeypatch, drafter, lambda unary, cand, T: torch.softmax(unary / T, -1))
     if q_kind == "unary top-K":
         replace_q(monkeypatch, drafter, lambda unary, cand, T: torch.softmax(unary.gather(-1, cand) / T, -1))
-    g, counts, first_cycle = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), []
-    for _ in range(LOOP_RUNS):
-        out, stats = spec_generate(drafter, target, torch.tensor([LOOP_PROMPT]), 4, temperature, top_p, top_k, generator=g)
-        counts[tuple(out[:3].tolist())] += 1
-        first_cycle.append(stats.acceptance_lengths[0])
-    al = np.bincount(first_cycle, minlength=4)[1:]
+    counts, lengths = sampled_runs(target, drafter, temperature, top_p, top_k)
+    al = np.bincount([run[0] for run in lengths], minlength=4)[1:]
     assert al[0] and al[1] and al[2], f"first-cycle acceptance lengths 1/2/3 seen {al.tolist()} times: some branch is never exercised"
     pvalue = chi_square_pvalue(counts, exact_joint3(target, LOOP_PROMPT, temperature, top_p, top_k).numpy(), q_kind)
     print(f"T={temperature} top_p={top_p} top_k={top_k} q={q_kind}: chi-square p = {pvalue:.3g}")
@@ -462,6 +508,20 @@ def test_spec_generate_samples_the_target_law(monkeypatch, loop_models, temperat
         assert pvalue > 1e-6, f"joint of the first 3 tokens departs from the target's exact joint: p = {pvalue:.3g}"
     else:
         assert pvalue < 1e-6, f"verifying with the wrong q ({q_kind}) went undetected: p = {pvalue:.3g}"
+
+
+def test_one_draft_token_samples_the_target_law(loop_models):
+    """draft_tokens = 1 (B = 4), the DFlash2 walk: each cycle verifies only slot 1's draft, so the
+    2nd and 3rd tokens come from a slot-1 draft, a residual or a bonus, over two cycles; the
+    joint of the first 3 tokens is still the target's (chi-square), and no cycle commits more
+    than 2. (The tests above already verify n = 2 < B − 1 drafts in their first cycle.)"""
+    target, drafter = loop_models
+    counts, lengths = sampled_runs(target, drafter, 1.0, 0.9, 5, draft_tokens=1)
+    seen = sorted({al for run in lengths for al in run})
+    assert seen == [1, 2], f"acceptance lengths seen {seen}, want 1 (rejected) and 2 (accepted), nothing above 2"
+    pvalue = chi_square_pvalue(counts, exact_joint3(target, LOOP_PROMPT, 1.0, 0.9, 5).numpy(), "draft_tokens 1")
+    assert pvalue > 1e-6, f"draft_tokens 1: joint of the first 3 tokens departs from the target's exact joint: " \
+        f"p = {pvalue:.3g}"
 
 
 # -----------------------------------------------------------------------------
