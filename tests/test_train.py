@@ -672,7 +672,8 @@ def step_inputs(world, rows=3):
     batch = data.collate(dataset[:rows], tokenizer.pad_token_id, torch.device("cpu"))
     target = AutoModelForCausalLM.from_pretrained(world["target"], dtype=torch.float32).eval().requires_grad_(False)
     torch.manual_seed(args.seed)  # as train.py seeds the drafter's init
-    drafter = checkpoint.build_drafter(target.config, tokenizer, train.drafter_fields(args), dataset, log=lambda *a: None)
+    fields = train.drafter_fields(args)
+    drafter = checkpoint.build_drafter(target.config, tokenizer, fields, dataset, log=lambda *a: None)
     return args, batch, target, drafter
 
 
@@ -1148,7 +1149,8 @@ def test_the_accumulated_gradient_is_the_mean_of_the_micro_steps(accumulated_run
 def test_a_padded_embedding_table_gives_the_mask_token_a_row_no_token_uses(accumulated_run, padded_target):
     """A target whose embedding table is padded past its tokenizer, which has no mask token: the drafter's mask
     token is the first padded row (one no token uses), not a special token of the tokenizer."""
-    tokenizer, vocab_size = target_module.load_tokenizer(padded_target), AutoConfig.from_pretrained(padded_target).vocab_size
+    tokenizer = target_module.load_tokenizer(padded_target)
+    vocab_size = AutoConfig.from_pretrained(padded_target).vocab_size
     assert tokenizer.mask_token_id is None and sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
     got = checkpoint.load_export(accumulated_run["out"] / "checkpoint").config.mask_token_id
     line = next((l for l in accumulated_run["printed"].splitlines() if l.startswith("mask token")), None)
