@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import DFlash2Drafter, sampling_probs
-from harness.target import drafter_config
+from harness.target import drafter_config, rope_tables
 
 
 @pytest.fixture(scope="module")
@@ -46,10 +46,11 @@ def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
     """A random drafter for `target` (1 layer, mask token V - 1 unless overridden) whose DFlash2
     parts are off their identity init: the selector's codebooks and projection are random (so
     q depends on the predecessor) and the convolution has nonzero off-centre taps and dynamic
-    kernels."""
+    kernels. A rope_scaling override takes its tables from target.rope_tables."""
     torch.manual_seed(seed)
     shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
-    drafter = DFlash2Drafter(drafter_config(target.config, **{**shape, **overrides}))
+    c = drafter_config(target.config, **{**shape, **overrides})
+    drafter = DFlash2Drafter(c, rope=rope_tables(c))
     with torch.no_grad():
         for name, p in drafter.named_parameters():
             if name.startswith("candidate_selector."):

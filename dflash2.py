@@ -182,8 +182,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
-        self.q_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
-        self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.q_norm, self.k_norm = RMSNorm(c.head_dim, c.rms_norm_eps), RMSNorm(c.head_dim, c.rms_norm_eps)
 
     def forward(self, x, ctx, block_rope, ctx_rope, mask=None, cache=None, layer_idx=0):
         """x (b, N·B, H) blocks; ctx (b, S, H) projected context features (only the new ones when a cache is
@@ -325,8 +324,7 @@ def init_weights(drafter):
             nn.init.ones_(m.weight)
     for m in drafter.modules():
         if isinstance(m, LocalConv):
-            m.base_kernel.zero_()
-            m.base_kernel[:, 0] = 1.0
+            m.base_kernel.zero_()[:, 0] = 1.0
             m.kernel_projection.weight.zero_()
         elif isinstance(m, CandidateSelector) and m.factored:  # W_A keeps the linears' N(0, 0.02)
             m.successor_projection.weight.zero_()
@@ -399,14 +397,12 @@ def sample_anchors(loss_mask, max_anchors, generator=None):
     """Per row, up to max_anchors distinct positions a with loss_mask[a] = loss_mask[a + 1] = 1, sorted (§6).
     -> anchors (b, N) long, valid (b, N) bool; padding anchors sit at 0."""
     require(max_anchors >= 1, f"max_anchors ({max_anchors}) must be >= 1")
-    b, lm = loss_mask.shape[0], loss_mask.bool()
-    chosen = []
+    b, lm, chosen = loss_mask.shape[0], loss_mask.bool(), []
     for row in lm[:, :-1] & lm[:, 1:]:  # eligible (b, S-1): position a, with a + 1 < S
         idx = row.nonzero().squeeze(-1)
         chosen.append(idx[torch.randperm(len(idx), generator=generator)[:max_anchors].to(idx.device)].sort().values)
     N = max(1, max(len(a) for a in chosen))
-    anchors = torch.zeros(b, N, dtype=torch.long, device=loss_mask.device)
-    valid = torch.zeros(b, N, dtype=torch.bool, device=loss_mask.device)
+    anchors, valid = (torch.zeros(b, N, dtype=dtype, device=loss_mask.device) for dtype in (torch.long, torch.bool))
     for i, a in enumerate(chosen):
         anchors[i, :len(a)], valid[i, :len(a)] = a, True
     return anchors, valid
@@ -515,7 +511,7 @@ def loss_sums(drafter, view, batch, cfg=None, sums_fn=slot_sums):
     ids, pos = block_layout(batch.input_ids, batch.anchors, c.block_size, c.mask_token_id)
     mask = block_attention_mask(batch.anchors, batch.attention_mask, c.block_size)
     dtype, ctx_pos = drafter.fc.weight.dtype, torch.arange(S, device=ids.device).expand(b, S)
-    h = drafter(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask).view(b, N, c.block_size, -1)
+    h = drafter(view.embed(ids).to(dtype), pos, batch.f.to(dtype), ctx_pos, mask).unflatten(1, (N, -1))
     counted, src = block_slots(batch.anchors, batch.anchor_valid, batch.loss_mask, c.block_size)
     rows = torch.arange(b, device=ids.device)[:, None, None]
     slots = Slots(h[:, :, 1:], batch.g[rows, src], batch.input_ids[rows, src], counted)
@@ -622,8 +618,7 @@ def draft_forward(drafter, view, anchor, new_f, draft_cache):
     through the target's lm_head) of slots 1..B−1. anchor (1,) long. -> (h (1, B−1, H), U (1, B−1, V) fp32)."""
     c, dev, dtype = drafter.config, anchor.device, drafter.fc.weight.dtype
     a = draft_cache.length + new_f.shape[1]  # the context is 0..a−1, the anchor sits at a
-    block = torch.full((1, c.block_size), c.mask_token_id, dtype=torch.long, device=dev)
-    block[:, 0] = anchor
+    block = torch.cat([anchor, torch.full((c.block_size - 1,), c.mask_token_id, device=dev)])[None]
     h = drafter(view.embed(block).to(dtype), torch.arange(a, a + c.block_size, device=dev)[None],
                 new_f.to(dtype), torch.arange(draft_cache.length, a, device=dev)[None], cache=draft_cache)[:, 1:]
     return h, view.logits(h).float()
@@ -709,10 +704,10 @@ def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, t
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
     cache, draft_cache = target_cache(target, forward_tokens=B), DraftCache(c.num_layers)  # [anchor ; <= B−1 drafts]
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
+    check_hidden_states(target, out.hidden_states)
     new_f = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
     start, stats.target_forwards = device_time(dev), 1
-    first = int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))
-    done = emit(tokens, [first], stop_ids, max_new_tokens)
+    done = emit(tokens, [int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))], stop_ids, max_new_tokens)
     while not done:
         n = min(draft_tokens or B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
         anchor = torch.tensor([tokens[-1]], device=dev)  # the last emitted token; the target has not read it yet
@@ -780,6 +775,11 @@ def check_target_shape(c, num_target_layers, hidden_size, vocab_size):
                         ("vocab_size", vocab_size)):
         require(getattr(c, name) == value, f"the drafter has {name} {getattr(c, name)} but the target has {value}: "
                 "a drafter only fits the target it was trained for")
+
+def check_hidden_states(target, hidden_states):  # a hyper-connection target's layers return several residual streams
+    tc, width = target.config.get_text_config(), max(h.shape[2:].numel() for h in hidden_states)
+    require(width <= tc.hidden_size, f"the {tc.model_type!r} target's layers return {width} values a position, more "
+            f"than its hidden_size {tc.hidden_size}: hyper-connections, and the drafter reads one hidden state a layer")
 
 def check_loss_config(cfg):
     require(cfg.loss_type in ("kl", "ce"), f"loss_type ({cfg.loss_type!r}) must be 'kl' or 'ce'")

@@ -336,6 +336,17 @@ def test_config_rejects_bad_values(field, value, message):
         make_config(**{field: value})
 
 
+@pytest.mark.parametrize("window", [0, -2, None])
+def test_sliding_layers_refuse_a_window_that_hides_every_key(window):
+    """A sliding layer's query sees the keys less than W away (its own position included): W <= 0 would hide them all
+    (every score masked, NaN attention). Full-attention layers alone read no window."""
+    with pytest.raises(ValueError) as refused:
+        make_config(layer_types=["sliding_attention", "full_attention"], sliding_window=window)
+    assert str(refused.value) == f"sliding_window ({window!r}) must be an integer >= 1 for sliding_attention layers", \
+        f"sliding_window {window!r}: {refused.value}"
+    make_config(layer_types=["full_attention", "full_attention"], sliding_window=window)
+
+
 def test_config_accepts_disabled_parts_with_unused_bad_values():
     # conv / selector off: their group size and rank are not used and must not be validated
     c = make_config(conv_kernel_size=0, conv_group_size=5, selector_top_k=0, selector_rank=0)

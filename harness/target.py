@@ -187,15 +187,18 @@ def known_fields(overrides):
     return overrides
 
 
+HYPER_CONNECTION_FIELDS = ("hc_mult", "hc_count")  # DeepSeek-V4's and Qwen4-Exp's residual streams per layer
+
+
 def text_config(target_config):
     """The language model's config of a target (a multimodal wrapper's text_config), read through its
     full-attention layers where layers differ in width (Gemma-4's head_dim), as its RoPE is (config_rope).
-    Hyper-connection targets (DeepSeek-V4) are refused: each layer returns several residual streams
-    (b, S, streams, H), and a DFlash context feature is one (b, S, H) state per layer."""
+    A config that counts residual streams (hyper-connections) is refused here, before the weights load; the
+    forward's widths (dflash2.check_hidden_states) refuse the families whose configs name them otherwise."""
     tc = target_config.get_text_config()
-    dflash2.require(not getattr(tc, "hc_mult", None),
-                    f"the {tc.model_type!r} target has hyper-connections (hc_mult {getattr(tc, 'hc_mult', None)}): "
-                    "its layers return several residual streams, and the drafter reads one hidden state per layer")
+    streams = {k: getattr(tc, k) for k in HYPER_CONNECTION_FIELDS if (getattr(tc, k, None) or 1) > 1}
+    dflash2.require(not streams, f"the {tc.model_type!r} target has hyper-connections ({streams}): its layers return "
+                    "several residual streams, and the drafter reads one hidden state a layer")
     if getattr(tc, "is_heterogeneous", False):
         kinds = getattr(tc, "layer_types", None) or ()
         tc = tc.per_layer_config["full_attention" if "full_attention" in kinds else 0]
@@ -326,10 +329,12 @@ NORMALISED_EMBEDDINGS = {"muse_glimmer_text"}
 def check_target_view(c, target, ids):
     """The drafter's view of the target against the target's own forward on ids (1, n): view.embed must give
     its hidden_states[0] (RMS-normalised first for NORMALISED_EMBEDDINGS) and view.logits of its last hidden
-    state its logits. A family whose forward does anything else to its tables is refused
-    by name, before any training."""
+    state its logits. A family whose forward does anything else to its tables is refused by name, before any
+    training, and so is one whose layers return several residual streams (hyper-connections: DeepSeek-V4,
+    Qwen4-Exp), whatever its config calls them: dflash2.check_hidden_states reads the forward's widths."""
     view = dflash2.target_view(c, target)
     out = target(ids, output_hidden_states=True)
+    dflash2.check_hidden_states(target, out.hidden_states)
     tolerance = 1e-4 if view.W_in.dtype in (torch.float32, torch.float64) else 3e-2
     tc = target.config.get_text_config()
     rows = view.embed(ids)
@@ -422,6 +427,7 @@ def target_features(target, ids, attention_mask, layer_ids):
     never to (b, S, V) at once. (Through the whole model even one position's logits cost a copy of
     lm_head per row on a CPU: the last position is a strided slice, which matmul cannot fold.)"""
     states = target.base_model(input_ids=ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    dflash2.check_hidden_states(target, states)
     return torch.cat([states[l + 1] for l in layer_ids], -1), states[-1]
 
 

@@ -335,6 +335,30 @@ def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, save
 # DFlash (v1) checkpoints and the warm start from them
 
 
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}  # a target's RoPE whose tables come from target.rope_tables
+
+
+@pytest.mark.parametrize("part_off", ["conv_kernel_size", "selector_top_k", "v1 warm start"])
+def test_a_rope_scaled_drafter_gaining_a_part_keeps_its_rope(tmp_path, target, part_off):
+    """with_parts rebuilds a drafter with the part it lacks: the export of a rope-scaled drafter with one part off
+    (the part filled in), and train.py's warm start from a rope-scaled v1 export (its parts joining), each draft
+    what the drafter drafted before, with its RoPE."""
+    if part_off == "v1 warm start":
+        drafter = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0, rope_scaling=LINEAR_ROPE)
+        checkpoint.save_export(drafter, tmp_path / "v1", dtype=torch.float32)
+        gained = checkpoint.with_parts(checkpoint.load_export(tmp_path / "v1"), conv_kernel_size=2,
+                                       conv_group_size=8, selector_top_k=4, selector_rank=4)
+    else:
+        drafter = checkpoint_drafter(target, rope_scaling=LINEAR_ROPE, **{part_off: 0})
+        checkpoint.save_export(drafter, tmp_path / "ckpt", dtype=torch.float32)
+        gained = checkpoint.load_export(tmp_path / "ckpt")
+    assert gained.config.is_dflash2 and gained.config.rope_scaling == LINEAR_ROPE, f"{part_off}: {gained.config}"
+    inputs = draft_inputs(drafter, target)
+    (h0, path0, *_), (h1, path1, *_) = drafts(drafter, target, inputs, 0.0), drafts(gained, target, inputs, 0.0)
+    assert torch.equal(h1, h0), f"{part_off}: hidden states differ by {(h1 - h0).abs().max():.3g} from the drafter's"
+    assert torch.equal(path1, path0), f"{part_off}: greedy drafts {path1.tolist()} != {path0.tolist()} before"
+
+
 def test_v1_checkpoint_loads_and_warm_starts_dflash2(tmp_path, target):
     v1 = checkpoint_drafter(target, conv_kernel_size=0, selector_top_k=0)
     checkpoint.save_export(v1, tmp_path / "v1", dtype=torch.float32)
@@ -645,3 +669,52 @@ def test_an_unknown_override_is_refused_by_name(target, tmp_path):
     checkpoint.save_export(checkpoint_drafter(target), tmp_path / "ckpt")
     with pytest.raises(ValueError, match=r"unknown DFlash2Config fields \['blocksize'\]"):
         checkpoint.load_export(tmp_path / "ckpt", blocksize=4)
+
+
+# -----------------------------------------------------------------------------
+# the export job: python -m harness.checkpoint
+
+
+@pytest.fixture(scope="module")
+def target_folders(tmp_path_factory, target):
+    """Model folders of config.json alone (the export job reads no weights): the checkpoint target's, and two with
+    its layer count but another width or vocabulary."""
+    folders = {}
+    for name, shape in (("same", {}), ("wider", dict(hidden_size=64)), ("more tokens", dict(vocab_size=48))):
+        folders[name] = tmp_path_factory.mktemp("target") / "model"
+        transformers.Qwen3Config(**{**target.config.to_dict(), **shape}).save_pretrained(folders[name])
+    return folders
+
+
+def export_job(*flags):
+    return checkpoint.main(checkpoint.parse_args([str(f) for f in flags]), log=lambda line: None)
+
+
+def test_the_export_job_writes_the_dtype_asked_for(tmp_path, target_folders, saved_checkpoint):
+    """--export-dtype float32 writes float32: the untrained drafter, and a float32 export rewritten with its
+    weights exact; bfloat16, the default, rounds them."""
+    saved = safetensors.torch.load_file(saved_checkpoint / "model.safetensors")
+    for flags, dtype in ((["--drafter-config", '{"mask_token_id": 31}', "--export-dtype", "float32"], torch.float32),
+                         (["--from", saved_checkpoint, "--export-dtype", "float32"], torch.float32),
+                         (["--from", saved_checkpoint], torch.bfloat16)):
+        out = export_job("--target", target_folders["same"], "--out", tmp_path / "out", *flags)
+        tensors = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))
+        written = ({v.dtype for v in tensors.values()}, json.loads(open(os.path.join(out, "config.json")).read())[
+            "torch_dtype"])
+        assert written == ({dtype}, str(dtype).removeprefix("torch.")), \
+            f"{flags}: wrote tensors {written[0]} and torch_dtype {written[1]!r}, expected {dtype}"
+        for k, v in saved.items() if "--from" in flags else ():
+            assert torch.equal(tensors[k], v.to(dtype)), \
+                f"{flags}: {k} is {(tensors[k].double() - v.double()).abs().max():.3g} off the export's {dtype} value"
+
+
+@pytest.mark.parametrize("other, differs", [("wider", "hidden_size 32 but the target has 64"),
+                                            ("more tokens", "vocab_size 32 but the target has 48")])
+def test_the_export_job_refuses_an_export_of_another_targets_shape(tmp_path, target_folders, saved_checkpoint,
+                                                                   other, differs):
+    """--from an export for a target of the same layer count but another width or vocabulary: refused by name,
+    nothing written."""
+    with pytest.raises(ValueError) as refused:
+        export_job("--target", target_folders[other], "--out", tmp_path / "out", "--from", saved_checkpoint)
+    assert str(refused.value).startswith(f"the drafter has {differs}"), f"--from onto a target {other}: {refused.value}"
+    assert not (tmp_path / "out").exists(), f"--from onto a target {other}: wrote {list((tmp_path / 'out').iterdir())}"

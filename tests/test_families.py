@@ -16,6 +16,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 import dflash2
 from harness import checkpoint, regenerate
+from harness import target as target_module
 from conftest import argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
 from harness.target import (check_target_view, config_transforms, decoding_view, drafter_config, model_class,
                             rope_tables, target_features, text_config)
@@ -82,14 +83,25 @@ FAMILIES = {  # the family's own config class and the fields that make it what i
 }
 WRAPPERS = {"Gemma-4": {}, "Muse-Glimmer": dict(vision_config=dict(hidden_size=16, num_hidden_layers=1,
                                                                     num_attention_heads=2, intermediate_size=16))}
+# targets whose layers return several residual streams (hyper-connections), each config naming their count its own
+# way: refused, not among FAMILIES -> (config class, fields, streams)
+HYPER_CONNECTED = {
+    "DeepSeek-V4": (transformers.DeepseekV4Config, dict(hc_mult=4, n_routed_experts=4, num_experts_per_tok=2,
+                                                        q_lora_rank=16, o_lora_rank=16, o_groups=2, index_n_heads=2,
+                                                        index_head_dim=8, index_topk=4, qk_rope_head_dim=4), 4),
+    "Qwen4-Exp": (transformers.Qwen4ExpTextConfig, dict(GATED_DELTANET, **QWEN_MOE, hc_count=2, hc_lowrank=4,
+                                                        indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8,
+                                                        indexer_budget=8, indexer_compress_ratio=2,
+                                                        ngram_vocab_size_base=256, split_ngram_parts=2), 2)}
 HYBRIDS = ["Qwen3.5", "Qwen3.5-MoE", "Qwen3-Next", "Granite-4", "Nemotron-H", "Kimi-Linear", "Falcon-H1", "LFM2"]
 
 
-MOE = ("Qwen3-MoE", "gpt-oss", "Qwen3.5-MoE", "Qwen3-Next", "Granite-4", "Kimi-Linear")  # float32 expert products
+MOE = ("Qwen3-MoE", "gpt-oss", "Qwen3.5-MoE", "Qwen3-Next", "Granite-4", "Kimi-Linear",  # float32 expert products
+       *HYPER_CONNECTED)
 
 
 def family_config(family, **config):
-    cls, fields = FAMILIES[family]
+    cls, fields = FAMILIES[family] if family in FAMILIES else HYPER_CONNECTED[family][:2]
     if family in WRAPPERS:
         text = {k: v for k, v in SHAPE.items() if k != "tie_word_embeddings"}
         return cls(text_config={**text, **fields, **config}, **WRAPPERS[family])
@@ -104,7 +116,7 @@ def family_target(family, seed=0, **config):
     torch.manual_seed(seed)
     model = model_class(config).from_config(config)
     model = model.to(torch.float32 if family in MOE else torch.float64).eval().requires_grad_(False)
-    tc = text_config(config)
+    tc = config.get_text_config() if family in HYPER_CONNECTED else text_config(config)  # text_config refuses them
     model.get_output_embeddings().weight.mul_(40.0 / (tc.hidden_size ** 0.5 if family.startswith("Gemma") else 1.0)
                                               / min(config_transforms(tc)["output_multiplier"], 1.0))
     for name, p in model.named_parameters():  # Mamba states that decay slowly: a wrong state after a rollback shows
@@ -164,17 +176,43 @@ def test_dynamic_rope_past_its_context_is_refused_and_an_unknown_one_by_name():
             **LONGROPE, "short_factor": [1.0, 1.0], "long_factor": [2.0, 2.0]}}), mask_token_id=V - 1)
 
 
-def test_a_hyper_connection_target_is_refused_by_name_before_any_weights():
-    config = transformers.DeepseekV4Config(**{**SHAPE, "hc_mult": 4})
-    with pytest.raises(ValueError, match=r"the 'deepseek_v4' target has hyper-connections \(hc_mult 4\)"):
-        drafter_config(config, mask_token_id=V - 1)
+@pytest.mark.parametrize("family", HYPER_CONNECTED)
+def test_a_hyper_connection_target_is_refused_by_name_at_the_startup_check_in_decoding_and_in_training(family,
+                                                                                                    monkeypatch):
+    """DeepSeek-V4's hc_mult and Qwen4-Exp's hc_count both mean several residual streams a layer; what their
+    forwards return is wider than hidden_size either way. Their configs are refused before the weights load; a
+    family whose config names the streams otherwise (here: no field known) is refused by each
+    place that reads the forward, in one sentence naming it, before the drafter's first matmul would fail."""
+    target = family_target(family)
+    with pytest.raises(ValueError, match=f"the {target.config.model_type!r} target has hyper-connections"):
+        drafter_config(target.config, mask_token_id=V - 1)
+    monkeypatch.setattr(target_module, "HYPER_CONNECTION_FIELDS", ())
+    c = drafter_config(target.config, mask_token_id=V - 1, num_layers=1, block_size=4)
+    drafter = DFlash2Drafter(c, rope=rope_tables(c)).to(target.dtype)
+    ids = torch.arange(3, 3 + PROMPT)[None]
+    streams, model_type = HYPER_CONNECTED[family][2], target.config.model_type
+    want = (f"the {model_type!r} target's layers return {streams * H} values a position, more than its hidden_size "
+            f"{H}: hyper-connections, and the drafter reads one hidden state a layer")
+    for where, run in (
+            ("the startup check", lambda: check_target_view(c, target, ids)),
+            ("decoding", lambda: dflash2.spec_generate(drafter, target, ids, NEW, view=decoding_view(c, target))),
+            ("the training step", lambda: target_features(target, ids, torch.ones_like(ids), c.target_layer_ids))):
+        try:
+            run()
+            got = "nothing raised"
+        except ValueError as e:
+            got = str(e)
+        assert got == want, f"{family}, {where}: {got!r}, expected the refusal {want!r}"
 
 
-def test_an_moe_config_without_intermediate_size_takes_its_routed_experts_width_or_is_refused_by_name():
+@pytest.mark.parametrize("held", ["absent", None, 0])  # absent as its class has it; null or 0 in a config.json
+def test_an_moe_config_without_intermediate_size_takes_its_routed_experts_width_or_is_refused_by_name(held):
     cls, fields = FAMILIES["Qwen3.5-MoE"]
-    config = cls(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, **fields)  # as its class has it
+    config = cls(**{k: v for k, v in SHAPE.items() if k != "intermediate_size"}, **fields,
+                 **({} if held == "absent" else {"intermediate_size": held}))
     c = drafter_config(config, mask_token_id=V - 1)
-    assert c.intermediate_size == 16 * 2, f"moe_intermediate_size 16 × 2 experts a token, not {c.intermediate_size}"
+    assert c.intermediate_size == 16 * 2, (f"intermediate_size {held}: moe_intermediate_size 16 × 2 experts a token "
+                                           f"is 32, not {c.intermediate_size}")
     assert drafter_config(config, mask_token_id=V - 1, intermediate_size=40).intermediate_size == 40
     config.__dict__["num_experts_per_tok"] = None  # past the strict field check: a config with neither width
     with pytest.raises(ValueError, match="the target's 'qwen3_5_moe_text' config has no intermediate_size"):

@@ -3,8 +3,10 @@ may name, the drafter's config of a target, a tiny random Llama folder (tied emb
 ChatML template, a tokenizer with no mask token and no free embedding row) through regeneration,
 training, export and speculative decoding, and a tiny Llama GGUF file written here. Everything is
 built on the spot; no downloads, CPU only."""
+import copy
 import json
 
+import datasets
 import numpy as np
 import pytest
 import safetensors.torch
@@ -396,6 +398,19 @@ def test_gguf_export_job_writes_an_export_and_serving_commands_for_the_original_
     assert "put the hub id or folder of the model it was converted from in place of ORIGINAL_MODEL" in printed, printed
 
 
+def test_a_gguf_targets_speculators_export_names_original_model_as_its_verifier(gguf_file, tmp_path):
+    """vLLM serves a speculators export with the verifier its config.json names: for a GGUF target that is the model
+    it was converted from, which only the user can name (ORIGINAL_MODEL, and a line saying where), never the file."""
+    path, logs = gguf_file[0], []
+    checkpoint.main(checkpoint.parse_args(["--target", path, "--out", str(tmp_path / "out"), "--format",
+                                           "speculators"]), logs.append)
+    verifier = json.loads((tmp_path / "out" / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "ORIGINAL_MODEL", f"the export's verifier is {verifier}"
+    printed = "\n".join(logs)
+    assert "in the export's config.json (speculators_config.verifier.name_or_path) put the hub id or folder of the " \
+        "model it was converted from in place of ORIGINAL_MODEL" in printed, printed
+
+
 def test_an_upper_case_gguf_name_is_served_as_original_model(tmp_path):
     """A GGUF file is a GGUF file whatever the case of its suffix: the serving commands name
     ORIGINAL_MODEL, never the file (engines do not serve a drafter's target from it)."""
@@ -505,3 +520,110 @@ def test_lm_head_rows_is_the_product_read_in_vocabulary_slices(bias):
         want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
     assert got.shape == (7, 1300) and float((got.double() - want).abs().max()) < 1e-5, \
         f"lm_head_rows differs from the float64 product by {float((got.double() - want).abs().max()):.3g}"
+
+
+# -----------------------------------------------------------------------------
+# --cache-target-features: which runs may share a cache, when auto caches, what the flag takes
+
+
+@pytest.fixture(scope="module")
+def bf16_numbers_target():
+    """A 4-layer target whose weights are bf16 numbers, loaded in each dtype (as a target published in bf16 is):
+    the two share the weights fingerprint, while their features differ by the dtype they are computed in."""
+    model = tiny_qwen3(vocab_size=50, num_layers=4, dtype=torch.bfloat16)
+    return {torch.bfloat16: model, torch.float32: copy.deepcopy(model).float()}
+
+
+def feature_run(model, choice, layer_ids, rows, out_dir, rows_drawn=None, log=print):
+    """--cache-target-features `choice` of a run on `model` reading `layer_ids` that draws rows_drawn rows (default:
+    each row twice) -> its cache, every row's features in it."""
+    c = target.drafter_config(model.config, mask_token_id=49, target_layer_ids=layer_ids)
+    cache = target.feature_cache(choice, model, c, rows, 2 * len(rows) if rows_drawn is None else rows_drawn,
+                                 str(out_dir), log)
+    if cache is not None:
+        cache.features(model, *right_padded(rows["input_ids"]), rows=list(range(len(rows))))
+    return cache
+
+
+FEATURE_ROWS = datasets.Dataset.from_dict({"input_ids": [[3, 8, 1, 4, 4, 9], [5, 6, 7], [11, 12, 13, 14]]})
+
+
+@pytest.mark.parametrize("first, second", [((torch.bfloat16, [0, 1]), (torch.float32, [0, 1])),
+                                           ((torch.float32, [0, 1]), (torch.bfloat16, [0, 1])),
+                                           ((torch.float32, [0, 1]), (torch.float32, [0, 2]))],
+                         ids=["bf16 then float32", "float32 then bf16", "other layers"])
+def test_a_shared_feature_cache_is_refused_to_a_run_whose_features_differ(bf16_numbers_target, tmp_path, first,
+                                                                          second):
+    """disk:FOLDER shared by two runs on one target's weights: a run of the same dtype and layers reads it back; one
+    in another dtype, or reading other layers (as many), would read features that are not its own, and is refused
+    before any row is read."""
+    (dtype, layer_ids), folder = first, f"disk:{tmp_path / 'shared'}"
+    for out in ("first", "again"):  # the same run twice: the second reads the first's rows
+        feature_run(bf16_numbers_target[dtype], folder, layer_ids, FEATURE_ROWS, tmp_path / out)
+    dtype, layer_ids = second
+    with pytest.raises(ValueError) as refused:
+        feature_run(bf16_numbers_target[dtype], folder, layer_ids, FEATURE_ROWS, tmp_path / "second")
+    assert str(refused.value).startswith(f"--cache-target-features: {tmp_path / 'shared'} holds the features of"), \
+        f"a {first} cache read by a {second} run: {refused.value}"
+
+
+def test_auto_caches_the_features_only_when_a_row_is_drawn_twice(bf16_numbers_target, tmp_path):
+    """auto is off while no row is used twice (fewer draws than rows, or each row exactly once: an epoch) and on
+    (here in memory, the rows being tiny) from the first row drawn again."""
+    model, n = bf16_numbers_target[torch.float32], len(FEATURE_ROWS)
+    for drawn, cached in ((n - 1, False), (n, False), (n + 1, True)):
+        logs = []
+        cache = feature_run(model, "auto", [0, 1], FEATURE_ROWS, tmp_path, drawn, logs.append)
+        assert (cache is not None) == cached, f"{drawn} rows drawn of {n}: cached {cache is not None}, {logs}"
+        assert logs[-1].startswith("target features: computed every step (no row is used twice" if not cached else
+                                   "target features: cached in memory"), f"{drawn} rows drawn of {n}: {logs}"
+
+
+def test_disk_without_a_folder_is_refused_by_the_parser_and_disk_caches_in_the_out_dir(bf16_numbers_target, tmp_path,
+                                                                                        capsys):
+    with pytest.raises(SystemExit):
+        train.parse_args(["--cache-target-features", "disk:"])
+    error = capsys.readouterr().err
+    assert "argument --cache-target-features: 'disk:' is not auto, off, memory, disk or disk:FOLDER" in error, error
+    args = train.parse_args(["--cache-target-features", "disk", "--out-dir", str(tmp_path / "out")])
+    model = bf16_numbers_target[torch.float32]
+    c = target.drafter_config(model.config, mask_token_id=49, target_layer_ids=[0, 1])
+    cache = target.feature_cache(args.cache_target_features, model, c, FEATURE_ROWS, 2 * len(FEATURE_ROWS),
+                                 args.out_dir, print)
+    cache.features(model, *right_padded(FEATURE_ROWS["input_ids"]), rows=[0, 1, 2])
+    files = sorted(p.name for p in (tmp_path / "out" / "target_features").iterdir())
+    assert files == ["key.json", "row00000000.safetensors", "row00000001.safetensors", "row00000002.safetensors"], \
+        f"--cache-target-features disk wrote {files} in OUT/target_features"
+
+
+# -----------------------------------------------------------------------------
+# the draft block's logits in decoding
+
+
+class QuantizedHead(torch.nn.Linear):
+    """An nn.Linear subclass as bitsandbytes' heads are: its weight holds codes, its forward dequantizes them."""
+    def __init__(self, head, scale):
+        super().__init__(head.in_features, head.out_features, bias=False, dtype=head.weight.dtype)
+        self.scale = scale
+        with torch.no_grad():
+            self.weight.copy_(head.weight / scale)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight * self.scale)
+
+
+@pytest.mark.parametrize("case", ["bf16 target, float32 drafter", "quantized head"])
+def test_the_decoding_views_logits_are_the_targets_own(case):
+    """decoding_view's logits of a draft block against the target's forward: a bf16 target read by a float32 drafter
+    (GPU evaluation, bench.real), and a head whose forward is not its weight's product."""
+    model = tiny_qwen3(vocab_size=1300, dtype=torch.bfloat16 if case.startswith("bf16") else torch.float32)
+    if case == "quantized head":
+        model.lm_head = QuantizedHead(model.lm_head, 4.0)
+    c = target.drafter_config(model.config, mask_token_id=1299)
+    with torch.no_grad():
+        out = model(torch.tensor([[3, 8, 1, 4, 4, 9, 2]]), output_hidden_states=True)
+        got = target.decoding_view(c, model).logits(out.hidden_states[-1][0].float())  # the drafter's h: float32
+    want = out.logits[0].double()
+    error = float((got.double() - want).abs().max() / want.abs().max())
+    assert error < 1e-2 if case.startswith("bf16") else error < 1e-5, \
+        f"{case}: the decoding view's logits differ from the target's by {error:.3g} (relative)"
