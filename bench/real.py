@@ -356,7 +356,7 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         spec = stats[f"spec_generate, {n} drafts"]
         cycles = sum(len(s.acceptance_lengths) for s in spec)
         cycle = sum(s.decode_seconds for s in spec) / cycles
-        out["spec"][n] = {**acceptance_counts(spec), "cycle_seconds": cycle, "break_even_al": cycle / step}
+        out["spec"][n] = {**acceptance_counts(spec, n), "cycle_seconds": cycle, "break_even_al": cycle / step}
     out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}))
     best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
     lookup = max(lookup_ks, key=lambda k: out["tokens_per_s"][f"prompt lookup, k = {k}"])
@@ -368,15 +368,14 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
     return out
 
 
-def acceptance_counts(stats):
+def acceptance_counts(stats, positions):
     """spec_generate's GenerationStats over prompts -> the field's counts: the per-request mean AL (each
     prompt's mean, then their mean), the pooled AL (tokens committed over cycles, all prompts together),
-    and per draft position k the share of all cycles whose draft k was accepted."""
+    and per draft position k < positions the share of all cycles whose draft k was accepted."""
     cycles = sum(len(s.acceptance_lengths) for s in stats)
-    slots = len(stats[0].accepted_per_slot)
     return {"mean_al": sum(s.mean_acceptance_length for s in stats) / len(stats),
             "pooled_al": sum(sum(s.acceptance_lengths) for s in stats) / cycles, "cycles": cycles,
-            "accepted_at": [sum(s.accepted_per_slot[k] for s in stats) / cycles for k in range(slots)]}
+            "accepted_at": [sum(s.accepted_per_slot[k] for s in stats) / cycles for k in range(positions)]}
 
 
 def wall_clock_markdown(title, w):
