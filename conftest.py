@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import DFlash2Drafter, sampling_probs
-from target import drafter_config, rope_tables
+from harness.target import drafter_config, rope_tables
 
 
 @pytest.fixture(scope="module")

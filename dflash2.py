@@ -8,8 +8,8 @@ From the last verified token (the anchor) at a, the drafter reads the block [anc
 and predicts a+1..a+B-1 in one pass (slot k predicts position a+k, no shift). It borrows the frozen target's
 embedding rows and LM head, and reads the target's context features f (a few of its layers' hidden states,
 concatenated and projected) as extra keys/values in every draft layer. What a target family applies beyond the
-plain forms here (its RoPE type, its other transforms) comes in from outside, built by target.py from transformers'
-own functions (§1).
+plain forms here (its RoPE type, its other transforms) comes in from outside, built by harness/target.py from
+transformers' own functions (§1).
 
 Departures from a textbook decoder:
   - attention inside a block is bidirectional; the context is never run through the MLP;
@@ -94,7 +94,7 @@ def default_target_layer_ids(num_target_layers, num_features=5):
 # --- the target as the drafter reads it (§1) ---------------------------------
 @dataclass
 class TargetView:
-    """What the drafter borrows from the frozen target; target_view gives the plain forms (a family's: target.py)
+    """What the drafter borrows from the target; target_view gives the plain forms (a family's: harness/target.py)
         embed(ids) = W_in[ids] · input_embedding_scale
         logits(g)  = cap(lm_head(g) · output_multiplier), at least fp32,   cap(·) = c·tanh(· / c)"""
     W_in: torch.Tensor   # (V, H) the input embedding rows, raw (factored codebooks read them)

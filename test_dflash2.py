@@ -395,7 +395,7 @@ def test_block_slots_counts_the_slots_of_a_loop(batch):
 
 def test_dflash2_imports_nothing_from_the_repository():
     """dflash2.py is the leaf every other file imports: no import of a repository module,
-    at the top or inside a function (checkpoint.py imports it, not the other way round)."""
+    at the top or inside a function (harness/checkpoint.py imports it, not the other way round)."""
     import ast
     import pathlib
     root = pathlib.Path(__file__).resolve().parent

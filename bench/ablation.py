@@ -32,10 +32,9 @@ import time
 
 import torch
 
-import checkpoint
 import dflash2
-import tiny_world
-from target import decoding_view
+from harness import checkpoint, metrics, tiny_world
+from harness.target import decoding_view
 from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
@@ -170,7 +169,7 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
     min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
     metrics at the sampling setting accept_at (None: T = 1, no filter)."""
     import train
-    from data import collate
+    from harness.data import collate
     total, n_blocks, rounds = {}, 0, 0
     while n_blocks < min_blocks:
         for i in range(0, len(val), targs.batch_size):
@@ -181,7 +180,7 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             cfg = train.loss_config(targs, drafter.config.vocab_size, accept_at)
             view = dflash2.target_view(drafter.config, target)
             _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
-            stats = train.step_stats(drafter, view, target, slots, cfg, terms)
+            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms)
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v

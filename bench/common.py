@@ -45,7 +45,7 @@ def random_target(seed=0, dtype=torch.float32, device="cpu", **shape):
 
 def validation_rows(targs, tokenizer):
     """train.py's validation rows for these train.py arguments: the last --val-size rows."""
-    from data import load_rows
+    from harness.data import load_rows
     from train import DATA_SPLIT
     rows = load_rows(targs.data, DATA_SPLIT, tokenizer, targs.seq_len, log=lambda *a: None)
     return rows.select(range(len(rows) - targs.val_size, len(rows)))

@@ -30,7 +30,7 @@ import torch
 import dflash2
 from bench.common import (QWEN3_4B, median, median_seconds, qwen3_config, random_target, round_ratio_ci,
                           round_seconds, write_results)
-from memory import drafter_config, memory_plan, train_loss_chunk
+from harness.memory import memory_plan, sizing_config, train_loss_chunk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -57,7 +57,7 @@ def variant_drafters(target_config, names=tuple(VARIANTS), dtype=torch.float32, 
     DFlash2 parts start at the identity) so that both parts do real work."""
     torch.manual_seed(0)
     with torch.device(device):
-        full = dflash2.DFlash2Drafter(drafter_config(target_config, **overrides)).to(dtype)
+        full = dflash2.DFlash2Drafter(sizing_config(target_config, **overrides)).to(dtype)
     with torch.no_grad():
         for p in full.parameters():
             p.add_(torch.randn_like(p) * 0.01)
@@ -67,7 +67,7 @@ def variant_drafters(target_config, names=tuple(VARIANTS), dtype=torch.float32, 
             drafters[name] = full
             continue
         with torch.device("meta"):  # no memory: the tensors come from `full`
-            d = dflash2.DFlash2Drafter(drafter_config(target_config, **{**overrides, **VARIANTS[name]}))
+            d = dflash2.DFlash2Drafter(sizing_config(target_config, **{**overrides, **VARIANTS[name]}))
         d.load_state_dict({k: shared[k] for k in d.state_dict()}, assign=True)
         drafters[name] = d
     return drafters
@@ -105,7 +105,7 @@ def draft_step(drafter, target, context):
     in its cache (put there now, from random features), then propose: top-K and the walk, or
     the unary argmax with the selector off. -> (forward, step): forward() -> (h, unary
     logits, anchor), propose's inputs; step() = propose(*forward())."""
-    from target import decoding_view
+    from harness.target import decoding_view
     c, dtype, dev = drafter.config, drafter.fc.weight.dtype, target.device
     view = decoding_view(c, target)
     anchor = torch.ones(1, dtype=torch.long, device=dev)  # any token
@@ -167,7 +167,7 @@ def train_step(drafter, target, optimizer, ids, max_anchors, loss_chunk, generat
     """One optimizer step as train.py takes it, loss_mask = all ones: the target's decoder
     with hidden states (its lm_head only inside the loss), anchors, the loss without
     metrics under bf16 autocast on CUDA, backward, AdamW. -> loss (tensor)."""
-    from target import target_features
+    from harness.target import target_features
     ones = torch.ones_like(ids)
     context, last = target_features(target, ids, ones, drafter.config.target_layer_ids)
     anchors, valid = dflash2.sample_anchors(ones, max_anchors, generator)
@@ -224,7 +224,7 @@ def train_part(device, repeats, quick):
     interleaved; each step's floor is its product FLOPs at this machine's product rate, timed in the same
     rounds."""
     import train
-    from target import TargetFeatures, native_bf16_cpu
+    from harness.target import TargetFeatures, native_bf16_cpu
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -235,7 +235,7 @@ def train_part(device, repeats, quick):
     ids = torch.randint(0, shape["vocab"] - 1, (batch_size, seq_len), generator=g).to(device)
     ones = torch.ones_like(ids)
     batch, rows, seeds = (ids, ones, ones), list(range(batch_size)), list(range(batch_size))
-    c = drafter_config(targets["float32"].config, mask_token_id=shape["vocab"] - 1, num_layers=2, block_size=8)
+    c = sizing_config(targets["float32"].config, mask_token_id=shape["vocab"] - 1, num_layers=2, block_size=8)
     cases = {"float32 online, eager loss": ("float32", "online", False), "float32 online": ("float32", "online", True),
              "float32 cached": ("float32", "cached", True), "bfloat16 online": ("bfloat16", "online", True),
              "bfloat16 cached": ("bfloat16", "cached", True)}
@@ -289,7 +289,7 @@ def train_part(device, repeats, quick):
 
 def cpu_model():
     """This CPU's model name and whether it multiplies bf16 in hardware, for the report."""
-    from target import native_bf16_cpu
+    from harness.target import native_bf16_cpu
     name = platform.processor() or platform.machine()
     if os.path.isfile("/proc/cpuinfo"):
         with open("/proc/cpuinfo") as f:
@@ -325,7 +325,7 @@ def _measure_child(spec):
 def _run(spec):
     from train import make_optimizer
     target = random_target(**spec["target"])
-    drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **spec["drafter"]))
+    drafter = dflash2.DFlash2Drafter(sizing_config(target.config, **spec["drafter"]))
     drafter.grad_checkpoint = spec["grad_checkpoint"]
     optimizer = make_optimizer(drafter.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(0)

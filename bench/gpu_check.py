@@ -33,12 +33,11 @@ import traceback
 
 import torch
 
-import checkpoint
 import dflash2
-import tiny_world
+from harness import checkpoint, tiny_world
 from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
-from memory import GiB, drafter_config, memory_plan
+from harness.memory import GiB, memory_plan, sizing_config
 
 # small shapes of the CPU smoke run
 SMOKE_TARGET = dict(hidden=64, layers=4, heads=4, kv_heads=2, head_dim=16, intermediate=128, vocab=1024)
@@ -93,7 +92,7 @@ def real_scale(shape, device, step, repeats, compare):
     overrides = dict(num_layers=step["num_layers"], block_size=step["block_size"], mask_token_id=shape["vocab"] - 1)
     target = random_target(dtype=torch.bfloat16 if cuda else torch.float32, device=device, **shape)
     with torch.device(device):
-        drafter = dflash2.DFlash2Drafter(drafter_config(target.config, **overrides))
+        drafter = dflash2.DFlash2Drafter(sizing_config(target.config, **overrides))
     out = {"shape": {**shape, **step}}
     for checkpointed in (False, True):
         drafter.grad_checkpoint = checkpointed

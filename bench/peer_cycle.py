@@ -17,9 +17,9 @@ import time
 
 import torch
 
-import checkpoint
 import dflash2
-from target import decoding_view
+from harness import checkpoint
+from harness.target import decoding_view
 from bench.common import ci_text, ratio_ci, write_results
 
 
@@ -52,7 +52,7 @@ def measure(args, log=print):
     except ImportError:
         raise ValueError("the z-lab package is missing: pip install --no-deps dflash==0.1.0") from None
     from bench import real
-    from target import load_target, load_tokenizer
+    from harness.target import load_target, load_tokenizer
     defaults = real.parse_args([])
     target_path, _, _ = real.real_world(defaults.cache_dir, defaults.train_prompts, defaults.held_out_rows,
                                         defaults.answer_tokens, defaults.regen_batch_size, defaults.packages, log)

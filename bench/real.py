@@ -14,7 +14,7 @@ The world, cached under --cache-dir per Python version, sources, size and dtype:
    (numpy, networkx, pandas, torch, datasets, jinja2: about 6,250 more) as a signature and a
    docstring to complete, inside the request HumanEval's prompts get here (read with `ast`,
    nothing imported), each answered greedily by the target in the dtype train.py's --dtype auto
-   picks here (bf16 on an AMX or AVX512-BF16 CPU, else float32; regenerate.py: a killed build
+   picks here (bf16 on an AMX or AVX512-BF16 CPU, else float32; harness/regenerate.py: a killed build
    resumes after the last complete row). Whole standard-library modules (a package counts as
    one, >= --held-out-rows requests) are held out: their rows validate and are decoded;
 3. HumanEval's prompts, each a chat request to complete the function: never trained on.
@@ -55,10 +55,9 @@ from pathlib import Path
 
 import torch
 
-import checkpoint
 import dflash2
-import tiny_world
-from target import decoding_view
+from harness import checkpoint, tiny_world
+from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, spec_eval, train_and_decode)
 from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
@@ -201,8 +200,8 @@ def real_world(cache_dir, train_prompts, held_out_rows, answer_tokens, batch_siz
     train_prompts of them (0: all). The target answers in the dtype train.py's --dtype auto picks for
     batched work here (bf16 on a GPU or an AMX CPU, else float32). The prompts file is written whole
     before any answer, under a name that says the request shape, the sources, the sizes and that dtype."""
-    from regenerate import regenerate_file
-    from target import load_target, load_tokenizer, training_dtype
+    from harness.regenerate import regenerate_file
+    from harness.target import load_target, load_tokenizer, training_dtype
     target_path, cpu = package_file(*GGUF), torch.device("cpu")
     requests = stdlib_requests()
     held = held_out_modules(requests, held_out_rows)
@@ -457,7 +456,7 @@ def chat_prompt(tokenizer, text):
 
 def measure(args, log=print):
     import train
-    from target import load_target, load_tokenizer
+    from harness.target import load_target, load_tokenizer
     if args.quick:
         args.train_prompts, args.held_out_rows, args.answer_tokens, args.packages = 24, 4, 24, ()
         args.eval_prompts, args.eval_tokens, args.wall_prompts = 2, 12, 2

@@ -31,10 +31,10 @@ import shutil
 import torch
 from safetensors.numpy import load_file, save_file
 
-import checkpoint
 import dflash2
-from metrics import dflash2_metrics
-from target import drafter_config
+from harness import checkpoint
+from harness.metrics import dflash2_metrics
+from harness.target import drafter_config
 
 TIE_MARGIN = 1e-4
 # the tiny world: V 64, H 32, Lt 4 target layers, nf 2 features, Ld 2 draft layers,

@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-import tiny_world
+from harness import tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, real
 from conftest import tiny_qwen3
 
@@ -422,7 +422,7 @@ def test_decoded_prompts_end_with_the_assistant_header(tmp_path):
     assert with_prompt == without + "<|im_start|>assistant\n", f"the template's generation prompt: {with_prompt!r}"
     humaneval = tokenizer.decode(real.chat_prompt(tokenizer, text)[0])
     assert humaneval == with_prompt, f"chat_prompt decodes to {humaneval!r}, the template's {with_prompt!r}"
-    from data import load_rows
+    from harness.data import load_rows
     world = tmp_path / "world.jsonl"  # a row of the real world: the request and the target's answer
     world.write_text(json.dumps({"messages": user + [{"role": "assistant", "content": "def f(): pass"}]}) + "\n")
     rows = load_rows(str(world), "train", tokenizer, 512, log=lambda *a: None)
@@ -488,8 +488,8 @@ def test_real_world_cache_is_per_python_version_size_and_dtype(tmp_path, monkeyp
     world; 0 prompts means all of them. The held-out module's requests come last, never among
     the training prompts."""
     import platform
-    import regenerate
-    import target
+    from harness import regenerate
+    from harness import target
     monkeypatch.setattr(real, "package_file", lambda package, name: str(tmp_path / name))
     requests = [("a", "write a1"), ("b", "write b1"), ("a", "write a2"), ("c", "write c1"), ("b", "write b2")]
     monkeypatch.setattr(real, "stdlib_requests", lambda: requests)

@@ -18,7 +18,7 @@ import safetensors.torch
 import torch
 import transformers
 
-import checkpoint
+from harness import checkpoint
 from conftest import tiny_drafter, tiny_qwen3
 from dflash2 import DFlash2Drafter, context_features, spec_generate
 
@@ -672,7 +672,7 @@ def test_an_unknown_override_is_refused_by_name(target, tmp_path):
 
 
 # -----------------------------------------------------------------------------
-# the export job: python checkpoint.py
+# the export job: python -m harness.checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -691,11 +691,11 @@ def export_job(*flags):
 
 
 def test_the_export_job_writes_the_dtype_asked_for(tmp_path, target_folders, saved_checkpoint):
-    """--dtype float32 writes float32: the untrained drafter, and a float32 export rewritten with its weights exact;
-    bfloat16, the default, rounds them."""
+    """--export-dtype float32 writes float32: the untrained drafter, and a float32 export rewritten with its
+    weights exact; bfloat16, the default, rounds them."""
     saved = safetensors.torch.load_file(saved_checkpoint / "model.safetensors")
-    for flags, dtype in ((["--drafter-config", '{"mask_token_id": 31}', "--dtype", "float32"], torch.float32),
-                         (["--from", saved_checkpoint, "--dtype", "float32"], torch.float32),
+    for flags, dtype in ((["--drafter-config", '{"mask_token_id": 31}', "--export-dtype", "float32"], torch.float32),
+                         (["--from", saved_checkpoint, "--export-dtype", "float32"], torch.float32),
                          (["--from", saved_checkpoint], torch.bfloat16)):
         out = export_job("--target", target_folders["same"], "--out", tmp_path / "out", *flags)
         tensors = safetensors.torch.load_file(os.path.join(out, "model.safetensors"))

@@ -8,10 +8,8 @@ import datasets
 import pytest
 import torch
 
-import data
-import target
-import tiny_world
 import train
+from harness import data, target, tiny_world
 
 # -----------------------------------------------------------------------------
 # assistant masks: templates that reproduce the common families

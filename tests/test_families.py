@@ -14,13 +14,12 @@ import torch
 import transformers
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-import checkpoint
 import dflash2
-import regenerate
-import target as target_module
+from harness import checkpoint, regenerate
+from harness import target as target_module
 from conftest import argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
-from target import (check_target_view, config_transforms, decoding_view, drafter_config, model_class, rope_tables,
-                    target_features, text_config)
+from harness.target import (check_target_view, config_transforms, decoding_view, drafter_config, model_class,
+                            rope_tables, target_features, text_config)
 from dflash2 import DFlash2Drafter, DraftCache
 
 pytestmark = pytest.mark.usefixtures("one_thread")

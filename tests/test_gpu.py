@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-import checkpoint
 import dflash2
+from harness import checkpoint, memory
 from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
-from target import drafter_config
+from harness.target import drafter_config
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -192,7 +192,7 @@ def test_loss_under_bf16_autocast_is_close_to_fp32(device):
 def test_train_takes_steps_on_cuda(tmp_path, capsys, monkeypatch, grad_checkpoint):
     """Two steps of train.py on the GPU, plain and recomputing each draft layer (which train.py does when the
     memory plan says only that fits; forced here)."""
-    import tiny_world
+    from harness import tiny_world
     import train
     tokenizer = tiny_world.build_tiny_tokenizer()
     torch.manual_seed(0)
@@ -207,7 +207,7 @@ def test_train_takes_steps_on_cuda(tmp_path, capsys, monkeypatch, grad_checkpoin
     flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--out-dir",
              str(tmp_path / "out"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6", "--val-size", "4",
              "--drafter-config", '{"selector_rank": 8}', "--steps", "2"]
-    monkeypatch.setattr(train, "fitting_plan", lambda *a: grad_checkpoint)
+    monkeypatch.setattr(memory, "fitting_plan", lambda *a: grad_checkpoint)
     monkeypatch.setattr(train, "EVAL_NEW_TOKENS", 8)
     summary = train.train(train.parse_args(flags), decode_prompts=1)
     assert "1 rank(s) on cuda" in capsys.readouterr().out, "train.py did not run on the GPU"

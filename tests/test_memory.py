@@ -1,4 +1,4 @@
-"""Tests of memory.py (the plan `python memory.py` prints) and of the memory the loss
+"""Tests of memory.py (the plan `python -m harness.memory` prints) and of the memory the loss
 allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
 table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
 the flags the plan reads (memory.py's and train.py's GPU check alike), and bad input. Nothing
@@ -16,9 +16,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-import memory
+from harness import memory
 import train
-from target import drafter_config, load_config, model_class
+from harness.target import drafter_config, load_config, model_class
 from bench import cost
 from bench.common import QWEN3_4B, QWEN3_8B, qwen3_config, random_target
 
@@ -74,7 +74,7 @@ def test_chunked_loss_holds_at_most_a_chunk_of_logits():
     slots of the vocabulary (the target's logits included); without chunks, all do."""
     V = 512
     target = random_target(hidden=32, layers=2, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=V)
-    c = memory.drafter_config(target.config, num_layers=1, block_size=4, selector_rank=8, conv_group_size=8,
+    c = memory.sizing_config(target.config, num_layers=1, block_size=4, selector_rank=8, conv_group_size=8,
                               mask_token_id=V - 1)
     drafter = dflash2.DFlash2Drafter(c)
     g = torch.Generator().manual_seed(0)
@@ -121,7 +121,7 @@ def test_plan_at_qwen3_4b_shape_and_bad_input(tmp_path):
 
     small = qwen3_config(hidden=32, layers=4, heads=2, kv_heads=1, head_dim=16, intermediate=64, vocab=128)
     from transformers import Qwen3ForCausalLM
-    c = memory.drafter_config(small)
+    c = memory.sizing_config(small)
     want = (sum(p.numel() for p in Qwen3ForCausalLM(small).parameters()),
             sum(p.numel() for p in dflash2.DFlash2Drafter(c).parameters()))
     assert memory.parameter_counts(small, c) == want, f"meta-device counts {memory.parameter_counts(small, c)} != {want}"
@@ -165,7 +165,7 @@ def test_factored_selector_trains_the_write_ups_two_million_parameters_at_qwen3_
     selector, plan = {}, {}
     for codebooks in ("free", "factored"):
         with torch.device("meta"):
-            drafter = dflash2.DFlash2Drafter(memory.drafter_config(config, block_size=16, selector_codebooks=codebooks))
+            drafter = dflash2.DFlash2Drafter(memory.sizing_config(config, block_size=16, selector_codebooks=codebooks))
         selector[codebooks] = sum(p.numel() for p in drafter.candidate_selector.parameters() if p.requires_grad)
         plan[codebooks] = memory.memory_plan(config, 3072, 512, block_size=16, selector_codebooks=codebooks)
     want = {"free": 2560 * 256 + 2 * 151_936 * 256, "factored": 1_966_080}
@@ -177,7 +177,7 @@ def test_factored_selector_trains_the_write_ups_two_million_parameters_at_qwen3_
 
 
 # -----------------------------------------------------------------------------
-# python memory.py
+# python -m harness.memory
 
 
 def test_memory_script_prints_the_plan_of_train_py_shape_flags_from_the_config_alone(tmp_path):
@@ -209,7 +209,9 @@ def planned(folder, **config):
 
     def plainly(total_memory):
         try:
-            return memory.fitting_plan(train.parse_args(argv), total_memory / memory.GiB, lambda *a: None) is False
+            args = train.parse_args(argv)
+            return memory.fitting_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size,
+                                       train.drafter_fields(args), total_memory / memory.GiB, lambda *a: None) is False
         except ValueError:
             return False
     at, below = plainly(plan["peak"]), plainly(plan["peak"] - 1)
@@ -343,8 +345,8 @@ def test_the_shared_shape_flags_refuse_small_values_in_the_parser(flag, value, l
 
 
 def test_memory_script_exits_with_one_line():
-    done = subprocess.run([sys.executable, "memory.py", "--seq-len", "8"], capture_output=True, text=True,
-                          cwd=os.path.dirname(memory.__file__))
+    done = subprocess.run([sys.executable, "-m", "harness.memory", "--seq-len", "8"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(memory.__file__)))
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
-        "memory.py: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
+        "harness.memory: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
         ".gguf file); the offline demo's tiny target needs no plan"], done.stderr

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from conftest import argmax_loop
 from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
-from metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
+from harness.metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
 from test_dflash2 import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
                           float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
                           ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)

@@ -9,8 +9,7 @@ import pytest
 import torch
 import transformers
 
-import regenerate
-import tiny_world
+from harness import regenerate, tiny_world
 from conftest import plain_greedy, tiny_qwen3
 
 pytestmark = pytest.mark.usefixtures("one_thread")

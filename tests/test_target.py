@@ -14,9 +14,7 @@ import torch
 import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-import checkpoint
-import regenerate
-import target
+from harness import checkpoint, regenerate, target
 import train
 from conftest import plain_greedy, tiny_qwen3
 from dflash2 import spec_generate, target_generate

@@ -26,8 +26,7 @@ import json
 
 import pytest
 
-import data
-import tiny_world
+from harness import data, tiny_world
 
 # -----------------------------------------------------------------------------
 # the templates

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-import tiny_world
+from harness import tiny_world
 from conftest import tiny_qwen3
 from dflash2 import target_generate
 
@@ -92,7 +92,7 @@ def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):
 def test_the_world_is_the_same_float32_world_on_every_cpu(tmp_path, monkeypatch, small_build):
     """A CPU that multiplies bf16 in hardware builds the very world a float32-only CPU builds: the
     same name, the same conversations, a float32 target."""
-    import target as target_module
+    from harness import target as target_module
     built = {}
     for hardware_bf16 in (True, False):
         monkeypatch.setattr(target_module, "native_bf16_cpu", lambda: hardware_bf16)

@@ -1,4 +1,5 @@
 """End-to-end tests of train.py on a tiny random Qwen3 target; no downloads, CPU only."""
+import argparse
 import contextlib
 import copy
 import io
@@ -17,16 +18,14 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM
 
-import checkpoint
 import dflash2
-import memory
-import regenerate as regenerate_module
-import target as target_module
-import tiny_world
 import train
+from harness import checkpoint, data, memory, metrics, tiny_world
+from harness import regenerate as regenerate_module
+from harness import target as target_module
 from conftest import plain_greedy, tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
-from target import drafter_config
+from harness.target import drafter_config
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
@@ -125,7 +124,7 @@ def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
     tokenizer = tiny_world.build_tiny_tokenizer(template)
     msgs = CONVERSATION if shape == "messages" else [
         {"from": {"user": "human", "assistant": "gpt"}[m["role"]], "value": m["content"]} for m in CONVERSATION]
-    rows = train.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512,
+    rows = data.load_rows(write_jsonl(tmp_path / "c.jsonl", [{shape: msgs}] * 2), "train", tokenizer, 512,
                            log=lambda *a: None)
     ids, mask = rows[0]["input_ids"], rows[0]["loss_mask"]
     got = tokenizer.decode(ids[mask.bool()])
@@ -135,16 +134,16 @@ def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
 
 def test_resume_repeats_the_uninterrupted_run(world, reference_run, tmp_path, monkeypatch):
     straight = reference_run["summary"]["losses"]  # 4 steps, a checkpoint every 2
-    save = train.save_checkpoint
+    save = checkpoint.save_checkpoint
 
     def save_then_die(*a, **k):  # a kill right after the step-2 checkpoint
         save(*a, **k)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         train.train(args_for(world, tmp_path / "b", "--steps", "4", "--eval-every", "2"))
-    monkeypatch.setattr(train, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
     resumed = train.train(args_for(world, tmp_path / "b", "--steps", "4", "--eval-every", "2", "--resume"))["losses"]
     assert list(resumed) == [3, 4], f"resumed run did steps {list(resumed)}, expected [3, 4]"
     assert all(resumed[s] == straight[s] for s in resumed), f"resumed {resumed} != uninterrupted {straight}"
@@ -198,11 +197,10 @@ def test_a_multimodal_wrapper_builds_the_drafter_of_its_language_model(tmp_path,
                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None)
     config = getattr(transformers, wrapper)(text_config=text)
     want = (64, len(tokenizer) + 4, 6)
-    args = train.parse_args(["--drafter-config", SELECTOR_RANK_8])
-    fresh = train.build_drafter(args, tokenizer, config, None, lambda *a: None)
+    fields = train.drafter_fields(train.parse_args(["--drafter-config", SELECTOR_RANK_8]))
+    fresh = checkpoint.build_drafter(config, tokenizer, fields, log=lambda *a: None)
     checkpoint.save_export(fresh, tmp_path / "export")
-    args = train.parse_args(["--init-from", str(tmp_path / "export")])
-    warm = train.build_drafter(args, tokenizer, config, None, lambda *a: None)
+    warm = checkpoint.build_drafter(config, tokenizer, fields, init_from=str(tmp_path / "export"), log=lambda *a: None)
     for how, c in (("fresh", fresh.config), ("--init-from", warm.config)):
         got = (c.hidden_size, c.vocab_size, c.num_target_layers)
         assert got == want, f"{wrapper}: the {how} drafter's (hidden, vocab, target layers) {got}, the language " \
@@ -219,7 +217,7 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
     """Factored codebooks: a run killed after its step-1 checkpoint resumes W_A and
     W_B from resume.pt and trains them on (they move); its export is an ordinary DFlash2
     checkpoint whose tables are E·W_Aᵀ and E·W_Bᵀ of the final weights, E the target's embedding."""
-    save = train.save_checkpoint
+    save = checkpoint.save_checkpoint
 
     def save_then_die(*a, **k):
         save(*a, **k)
@@ -227,11 +225,11 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
 
     run = lambda *extra: train.train(args_for(world, tmp_path, "--steps", "2", "--eval-every", "1", "--drafter-config",
                                               FACTORED, *extra))
-    monkeypatch.setattr(train, "save_checkpoint", save_then_die)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_then_die)
     with pytest.raises(KeyboardInterrupt):
         run()
     first = torch.load(tmp_path / "resume.pt", weights_only=True)
-    monkeypatch.setattr(train, "save_checkpoint", save)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save)
     assert list(run("--resume")["losses"]) == [2], "the resumed run did not do step 2 alone"
     last = torch.load(tmp_path / "resume.pt", weights_only=True)
     assert last["run"]["drafter"]["selector_codebooks"] == "factored", last["run"]["drafter"]
@@ -245,7 +243,7 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
 
 
 def export_job(world, out, *extra):
-    """python checkpoint.py on the test target: its export in `out` -> what it printed."""
+    """python -m harness.checkpoint on the test target: its export in `out` -> what it printed."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         checkpoint.main(checkpoint.parse_args(["--target", world["target"], "--out", str(out), *extra]))
@@ -268,14 +266,14 @@ def test_speculators_export_names_the_target_and_init_from_reads_it_back(world, 
 
 
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
-    real, calls = train.loss_from_sums, []
+    real, calls = dflash2.loss_from_sums, []
 
     def nan_on_second_step(*a, **k):  # the second training step's loss (the evaluations run without grad)
         loss, stats = real(*a, **k)
         calls.append(torch.is_grad_enabled())
         return (loss * float("nan") if sum(calls) == 2 and calls[-1] else loss), stats
 
-    monkeypatch.setattr(train, "loss_from_sums", nan_on_second_step)
+    monkeypatch.setattr(dflash2, "loss_from_sums", nan_on_second_step)
     with pytest.raises(RuntimeError, match="not finite"):
         train.train(args_for(world, tmp_path / "out", "--steps", "4", "--eval-every", "1"))
     state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)
@@ -449,6 +447,46 @@ def test_bad_drafter_configs_are_refused_by_the_parser(value, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def parser_of(parse_args):
+    """The ArgumentParser an entry point's parse_args builds (caught as it is asked to parse)."""
+    built = []
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: built.append(self))
+        parse_args([])
+    return built[0]
+
+
+FLAG_PROBES = ["-1", "0", "1", "2", "8", "0.5", "1e-3", "nan", "x", "", "auto", "float32", "disk:x", "{}"]
+
+
+def parsed(action):
+    """What an action's type makes of each probe: its value, or the error it refuses the probe with."""
+    def one(text):
+        try:
+            return "value", action.type(text) if action.type else text
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            return "refused", type(e).__name__
+    return [one(text) for text in FLAG_PROBES]
+
+
+@pytest.mark.parametrize("entry", [memory, checkpoint, regenerate_module], ids=lambda m: m.__name__)
+def test_a_flag_an_entry_point_shares_with_train_py_has_its_name_type_and_default(entry):
+    """python -m harness.memory, .checkpoint and .regenerate declare their own flags; one that train.py takes too
+    (--batch-size, --block-size, --dtype, ...) means the same thing there: the same destination, action, default
+    and choices, and its type accepts and refuses the same values (numbers, bounds, NaN, words)."""
+    ours = {s: a for a in parser_of(train.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
+    theirs = {s: a for a in parser_of(entry.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
+    shared = sorted(ours.keys() & theirs.keys())
+    assert "--target" in shared, f"{entry.__name__} shares {shared} with train.py, not even --target"
+    for flag in shared:
+        a, b = ours[flag], theirs[flag]
+        want = (a.dest, type(a).__name__, a.default, a.choices, a.nargs)
+        got = (b.dest, type(b).__name__, b.default, b.choices, b.nargs)
+        assert got == want, f"{entry.__name__} {flag}: (dest, action, default, choices, nargs) {got}, train.py's {want}"
+        differ = [(text, x, y) for text, x, y in zip(FLAG_PROBES, parsed(a), parsed(b)) if x != y]
+        assert not differ, f"{entry.__name__} {flag} parses (probe, train.py's, its own) {differ} differently"
+
+
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
     bad = tmp_path / "e.jsonl"
     bad.write_text("")
@@ -514,7 +552,7 @@ def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampl
                                                          *sampling]),
                            log=lambda *a: None)
     rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    tokenizer = train.load_tokenizer(world["target"], None)
+    tokenizer = target_module.load_tokenizer(world["target"], None)
     model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
     want, _ = plain_greedy(model, tokenizer, CONVERSATION[:1], 12)
     assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
@@ -544,7 +582,6 @@ def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatc
     (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
     (["--temperature", "-1"], "temperature (-1.0) must be a finite number >= 0"),
     (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
-    (["--batch-size", "0"], "--batch-size 0 must be >= 1"),
     (["--chat-template-kwargs", "{nope"], "--chat-template-kwargs"),
 ])
 def test_regenerate_refuses_bad_flags_before_the_target_loads(world, tmp_path, monkeypatch, flags, message):
@@ -591,15 +628,18 @@ def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world
     trains plainly, one that fits only with each draft layer recomputed in backward recomputes (and says so), one
     that fits neither way stops, naming the batch that fits."""
     args = train.parse_args(["--target", world["target"], "--batch-size", "3", "--max-anchors", "64"])
-    plain, recomputed = (memory.run_plan(args, 80.0, recompute)["peak"] / memory.GiB for recompute in (False, True))
+    config, fields = target_module.load_config(world["target"]), train.drafter_fields(args)
+    shape = (config, args.seq_len, args.max_anchors, args.batch_size)
+    plain, recomputed = (memory.memory_plan(*shape, "train", recompute, 80.0, **fields)["peak"] / memory.GiB
+                         for recompute in (False, True))
     assert recomputed < plain, f"the plan's peak recomputing layers {recomputed} is not below the plain {plain}"
     lines = []
-    assert memory.fitting_plan(args, plain * 1.001, lines.append) is False and not lines, lines
-    assert memory.fitting_plan(args, (plain + recomputed) / 2, lines.append) is True, "it did not recompute"
+    assert memory.fitting_plan(*shape, fields, plain * 1.001, lines.append) is False and not lines, lines
+    assert memory.fitting_plan(*shape, fields, (plain + recomputed) / 2, lines.append) is True, "it did not recompute"
     assert lines and lines[0].startswith("recomputing each draft layer in backward: without, batch 3"), lines
     with pytest.raises(ValueError, match=r"^batch size 3 needs about [0-9.]+ GiB per GPU, more than the GPU's "
                                          r"[0-9.e-]+ GiB; (--batch-size [12] fits|not even one sequence fits)"):
-        memory.fitting_plan(args, recomputed * 0.999)
+        memory.fitting_plan(*shape, fields, recomputed * 0.999)
 
 
 def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_target_load):
@@ -626,12 +666,14 @@ def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_targe
 
 
 def step_inputs(world, rows=3):
-    tokenizer = train.load_tokenizer(world["target"])
+    tokenizer = target_module.load_tokenizer(world["target"])
     args = args_for(world, "unused")
-    data = train.load_rows(world["data"], "train", tokenizer, args.seq_len)
-    batch = train.collate(data[:rows], tokenizer.pad_token_id, torch.device("cpu"))
+    dataset = data.load_rows(world["data"], "train", tokenizer, args.seq_len)
+    batch = data.collate(dataset[:rows], tokenizer.pad_token_id, torch.device("cpu"))
     target = AutoModelForCausalLM.from_pretrained(world["target"], dtype=torch.float32).eval().requires_grad_(False)
-    drafter = train.build_drafter(args, tokenizer, target.config, data, lambda *a: None)
+    torch.manual_seed(args.seed)  # as train.py seeds the drafter's init
+    fields = train.drafter_fields(args)
+    drafter = checkpoint.build_drafter(target.config, tokenizer, fields, dataset, log=lambda *a: None)
     return args, batch, target, drafter
 
 
@@ -689,7 +731,7 @@ def test_loss_config_carries_the_acceptance_setting_to_the_metrics(world):
     view = dflash2.target_view(c, target)
     with torch.no_grad():
         _, terms, slots = train.loss_step(drafter, view, target, inputs, train.loss_config(args, c.vocab_size))
-        got = {T: train.step_stats(drafter, view, target, slots, train.loss_config(args, c.vocab_size, accept_at=(
+        got = {T: metrics.step_stats(drafter, view, target, slots, train.loss_config(args, c.vocab_size, accept_at=(
             T, 1.0, 0)), terms)["accept_unary"] for T in (0.25, 1.0)}
         counted = slots.counted.bool()
         z, U = (target.lm_head(x[counted]).double() for x in (slots.g, slots.h))  # Qwen3: lm_head(h) is its logits
@@ -877,11 +919,13 @@ def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
     target = target_module.load_target(world["target"], "auto", torch.device("cpu"))
     assert target.dtype == torch.bfloat16, f"auto on an AMX CPU loaded the target in {target.dtype}"
     args, _, _, drafter = step_inputs(world)
-    tokenizer = train.load_tokenizer(world["target"])
-    val = train.load_rows(world["data"], "train", tokenizer, args.seq_len).select(range(2))
+    tokenizer = target_module.load_tokenizer(world["target"])
+    val = data.load_rows(world["data"], "train", tokenizer, args.seq_len).select(range(2))
     real, seen = dflash2.spec_generate, []
     monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
-    train.evaluate(drafter.float(), target, tokenizer, val, args, lambda *a: None, prompts=2)
+    metrics.evaluate(drafter.float(), target, tokenizer, val, train.loss_config(args, drafter.config.vocab_size),
+                     args.batch_size, args.max_anchors, args.seed, lambda *a: None, prompts=2,
+                     max_new_tokens=train.EVAL_NEW_TOKENS)
     assert seen and set(seen) == {torch.float32}, f"the eval decoded with the target in {set(seen)}"
     assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
 
@@ -1105,7 +1149,8 @@ def test_the_accumulated_gradient_is_the_mean_of_the_micro_steps(accumulated_run
 def test_a_padded_embedding_table_gives_the_mask_token_a_row_no_token_uses(accumulated_run, padded_target):
     """A target whose embedding table is padded past its tokenizer, which has no mask token: the drafter's mask
     token is the first padded row (one no token uses), not a special token of the tokenizer."""
-    tokenizer, vocab_size = train.load_tokenizer(padded_target), AutoConfig.from_pretrained(padded_target).vocab_size
+    tokenizer = target_module.load_tokenizer(padded_target)
+    vocab_size = AutoConfig.from_pretrained(padded_target).vocab_size
     assert tokenizer.mask_token_id is None and sorted(tokenizer.get_vocab().values()) == list(range(len(tokenizer)))
     got = checkpoint.load_export(accumulated_run["out"] / "checkpoint").config.mask_token_id
     line = next((l for l in accumulated_run["printed"].splitlines() if l.startswith("mask token")), None)
@@ -1126,7 +1171,7 @@ def test_held_out_prompts_end_before_the_first_answer_token(world, accumulated_r
     """The end-of-run decoding's prompts, at both temperatures, are the held-out conversations' (the data's last
     --val-size 4) first user turns as the chat template renders them for generation: everything before the
     answer's first token, none of it."""
-    tokenizer = train.load_tokenizer(padded_target)
+    tokenizer = target_module.load_tokenizer(padded_target)
     held_out = [json.loads(line)["messages"] for line in open(world["data"]).read().splitlines()[-4:]]
     want = [tokenizer.apply_chat_template(c[:1], add_generation_prompt=True, tokenize=True, return_dict=True)
             ["input_ids"] for c in held_out]

@@ -1,7 +1,9 @@
 """
 The §6 metrics of a training batch (ALGORITHM.md §6), from the drafter outputs the loss's own forward
 produced (dflash2.dflash2_loss's Slots): no second drafter pass. train.py logs them every logging step
-and at evaluation, and at the end of a run decoding_eval measures real speculative decoding.
+(step_stats), evaluate logs them on the validation rows, and at the end of a run decoding_eval measures
+real speculative decoding. Not here: the loss (dflash2.py), where the record of a run is written
+(harness/checkpoint.py).
 """
 import time
 
@@ -9,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-from target import decoding_dtype, decoding_view
+from harness.data import anchor_seed, collate, row_anchors
+from harness.target import below_float32, decoding_dtype, decoding_view, target_features
 
 
 def expected_acceptance_length(correct):
@@ -86,3 +89,50 @@ def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log
     for temperature, (al, tok_s, text) in table.items():
         log(f"eval |   {temperature:>11.1f}   {al:>7.2f}   {tok_s:>8.1f}   {text[:40]!r}")
     return table
+
+
+# -----------------------------------------------------------------------------
+# a batch's stats, the evaluation of a run
+
+
+def step_stats(drafter, view, target, slots, cfg, terms):
+    """A logged batch's stats, floats: the loss terms and the §6 metrics of the loss's own slots (host syncs)."""
+    with below_float32(target):
+        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, view, slots, cfg)
+
+
+def mean_stats(all_stats):
+    """Average a list of step_stats dicts (floats and per-slot lists)."""
+    mean = lambda col: [sum(x) / len(x) for x in zip(*col)] if isinstance(col[0], list) else sum(col) / len(col)
+    return {k: mean([s[k] for s in all_stats]) for k in all_stats[0]}
+
+
+@torch.no_grad()
+def evaluate(drafter, target, tokenizer, val, cfg, batch_size, max_anchors, seed, log=print, prompts=0,
+             max_new_tokens=96):
+    """The validation rows' loss (cfg: the run's dflash2.LossConfig) and §6 metrics, logged, each row's anchors drawn
+    from -1 - anchor_seed(seed, i), never a training row's seed; then decoding_eval on the first `prompts` rows'
+    prompts (all before the first answer token). -> {val: stats, al_t0 and al_t1 when it decoded}."""
+    seeds = [-1 - anchor_seed(seed, i) for i in range(len(val))]
+    c, stats, b = drafter.config, [], batch_size
+    view = dflash2.target_view(c, target)
+    for i in range(0, len(val), b):
+        ids, attn, loss_mask = collate(val[i:i + b], tokenizer.pad_token_id, target.device)
+        batch = dflash2.Batch(ids, attn, loss_mask, *target_features(target, ids, attn, c.target_layer_ids),
+                              *row_anchors(loss_mask, max_anchors, seeds[i:i + b]))
+        with below_float32(target):
+            _, terms, slots = dflash2.dflash2_loss(drafter, view, batch, cfg)
+        stats.append(step_stats(drafter, view, target, slots, cfg, terms))
+    s = mean_stats(stats)
+    sel = lambda k: f"{s[k]:.3f}" if k in s else "-"
+    log(f"eval | val loss {s['loss']:.4f} unary {s['unary_loss']:.4f} sel {sel('selector_loss')} | "
+        f"oracle (label in top-K) {sel('oracle')} selector tf-acc {sel('selector_tf_acc')} | expected AL unary "
+        f"{s['al_unary']:.2f} walk {sel('al_walk')} oracle {sel('al_oracle')} | T=1 acceptance unary "
+        f"{s['accept_unary']:.3f} selector {sel('accept_selector')} (top-K mass {sel('mass_at_k')})")
+    log("eval | slot accuracy " + " ".join(f"{a:.2f}" for a in s["slot_acc"]))
+    if not prompts:
+        return {"val": s}
+    ids = [row["input_ids"][None, :int(row["loss_mask"].nonzero()[0]) or len(row["input_ids"]) // 2]
+           for row in val.select(range(min(prompts, len(val))))]
+    table = decoding_eval(drafter, target, tokenizer, [i.to(target.device) for i in ids], max_new_tokens, seed, log)
+    return {"val": s, "al_t0": table[0.0][0], "al_t1": table[1.0][0]}

@@ -1,15 +1,17 @@
 """
-The frozen target of train.py: where it lives, its tokenizer, config and weights; what its family
-applies, read from its config with transformers' own functions (the drafter's shape and RoPE, the
-transforms of its tables), and the check that the drafter reads its tables as its own forward does;
-the mask token the drafter's blocks are filled with (ALGORITHM.md §1); its features, cached.
+The frozen target: where it lives, its tokenizer, config and weights, and the dtype it runs in; what its
+family applies, read from its config with transformers' own functions (the drafter's shape and RoPE, the
+transforms of its tables), and the check that the drafter reads its tables as its own forward does; the
+mask token the drafter's blocks are filled with (ALGORITHM.md §1); the features the loss reads, cached.
+Not here: the drafter itself (dflash2.py computes it; harness/checkpoint.py builds a run's and writes
+exports), chat data (harness/data.py), the flags (each entry point declares its own).
 
     c = drafter_config(target.config, mask_token_id=m)      # the drafter of this target
     drafter = dflash2.DFlash2Drafter(c, rope=rope_tables(c))
     view = decoding_view(c, target)                          # the target as the drafter reads it
 
     tokenizer = load_tokenizer("HuggingFaceTB/SmolLM2-135M-Instruct")    # a hub id or a model folder
-    model = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))   # or a GGUF file
+    target = load_target("path/to/model.Q4_1.gguf", "auto", torch.device("cpu"))  # or a GGUF file
     features = TargetFeatures(key, layer_ids)   # each row's features once (--cache-target-features)
 
 A GGUF file is read by transformers itself (the `gguf` package), dequantized to the dtype
@@ -27,31 +29,32 @@ import torch
 import transformers
 
 import dflash2
-from data import at_least, load_chat_template
+from harness.data import load_chat_template
 
 
-def source(target):
-    """--target -> (what from_pretrained reads, its keyword arguments). A local folder must be a
-    model folder and a local file a .gguf: anything else that exists locally is a mistake, not a
-    hub id (transformers would otherwise blame a missing tokenizer package)."""
-    p = Path(target)
+def source(target_path):
+    """--target (a model folder, hub id or .gguf file) -> (what from_pretrained reads, its keyword arguments). A
+    local folder must be a model folder and a local file a .gguf: anything else that exists locally is a mistake,
+    not a hub id (transformers would otherwise blame a missing tokenizer package)."""
+    p = Path(target_path)
     if p.is_dir() and not (p / "config.json").is_file():
-        raise ValueError(f"--target {target}: the folder has no config.json, it is not a Hugging Face model folder")
+        raise ValueError(f"--target {target_path}: the folder has no config.json, it is not a Hugging Face model "
+                         "folder")
     if p.exists() and not p.is_dir():
         if p.suffix.lower() != ".gguf":
-            raise ValueError(f"--target {target}: a file that is not .gguf; expected a model folder, a hub id or "
+            raise ValueError(f"--target {target_path}: a file that is not .gguf; expected a model folder, a hub id or "
                              "a GGUF file")
         return str(p.resolve().parent), {"gguf_file": p.name}
-    return target, {}
+    return target_path, {}
 
 
-def is_gguf(target):
-    return bool(source(target)[1])
+def is_gguf(target_path):
+    return bool(source(target_path)[1])
 
 
-def load_tokenizer(target, chat_template=None):
+def load_tokenizer(target_path, chat_template=None):
     """The target's tokenizer, with --chat-template's text if given and a pad token."""
-    path, kw = source(target)
+    path, kw = source(target_path)
     tokenizer = transformers.AutoTokenizer.from_pretrained(path, **kw)
     if chat_template:
         tokenizer.chat_template = load_chat_template(chat_template)
@@ -60,13 +63,13 @@ def load_tokenizer(target, chat_template=None):
     return tokenizer
 
 
-def load_config(target):
+def load_config(target_path):
     """The target's transformers config; a GGUF file's is read from its header, no weights."""
-    path, kw = source(target)
+    path, kw = source(target_path)
     try:
         return transformers.AutoConfig.from_pretrained(path, **kw)
     except Exception as e:  # missing folder, malformed JSON, unknown model type, not cached
-        raise ValueError(f"cannot read the target's config at {target!r}: {e}") from e
+        raise ValueError(f"cannot read the target's config at {target_path!r}: {e}") from e
 
 
 def native_bf16_cpu():
@@ -88,6 +91,12 @@ def training_dtype(flag, device):
     return torch.float32, "this CPU has neither AMX nor AVX512-BF16, so bf16 would be emulated and slower"
 
 
+def below_float32(target):
+    """Under bf16 autocast: the drafter's step (its loss and metrics) when the target is below float32."""
+    return torch.autocast(target.device.type, dtype=torch.bfloat16,
+                          enabled=target.dtype in (torch.bfloat16, torch.float16))
+
+
 def decoding_dtype(device, dtype):
     """The target's dtype for decoding one sequence: one token at a time is bound by reading the
     weights, and on a CPU a float32 step beats a bf16 one even with AMX (bench/RESULTS.md)."""
@@ -105,10 +114,11 @@ def model_class(config):
                      "transformers: the drafter needs a model that predicts the next token")
 
 
-def load_target(target, dtype_flag, device):
+def load_target(target_path, dtype_flag, device):
     """Frozen, in training_dtype(dtype_flag, device)."""
-    path, kw = source(target)
-    model = model_class(load_config(target)).from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0], **kw)
+    path, kw = source(target_path)
+    model = model_class(load_config(target_path)).from_pretrained(path, dtype=training_dtype(dtype_flag, device)[0],
+                                                                  **kw)
     return model.to(device).eval().requires_grad_(False)
 
 
@@ -135,53 +145,33 @@ def drafter_config(target_config, **overrides):
     return c
 
 
-# the flags of the drafter's shape, shared by train.py, memory.py and checkpoint.py; the rest of DFlash2Config
-# (its width and RoPE) comes from the target
+# the drafter fields every entry point that builds a drafter sets with a flag of its own (--num-layers, ...); the
+# rest of DFlash2Config comes from the target (its width and RoPE) or from --drafter-config
 OWN_FLAGS = {"num_layers": "--num-layers", "block_size": "--block-size", "conv_kernel_size": "--conv-kernel-size",
              "selector_top_k": "--selector-top-k"}
 
 
-def config_fields(text):
-    """argparse type of --drafter-config: a JSON object of other DFlash2Config fields."""
-    try:
-        fields = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno})") from None
-    if not isinstance(fields, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object of DFlash2Config fields")
-    unknown = unknown_fields(fields)
-    own = [OWN_FLAGS[k] for k in fields if k in OWN_FLAGS]
-    if unknown or own:
-        why = (f"unknown DFlash2Config fields {unknown}" if unknown else
-               f"set {', '.join(own)} with {'its' if len(own) == 1 else 'their'} own flag")
-        raise argparse.ArgumentTypeError(f"{text}: {why}")
-    return fields
-
-
-class MergedFields(argparse.Action):
-    """--drafter-config given twice: the fields of both, the later's where they meet."""
+class DrafterFields(argparse.Action):
+    """argparse action of --drafter-config: a JSON object of other DFlash2Config fields; given twice, the fields of
+    both, the later's where they meet."""
     def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, {**getattr(namespace, self.dest), **values})
-
-
-def add_drafter_flags(p):
-    """The drafter's shape flags -> their argument group; drafter_fields reads them back."""
-    g = p.add_argument_group("drafter")
-    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers (DFlash: 5 for 4B-8B targets)")
-    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
-    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables; both "
-                   "0: plain DFlash)")
-    g.add_argument("--drafter-config", type=config_fields, action=MergedFields, default={}, metavar="JSON",
-                   help="other DFlash2Config fields, e.g. '{\"selector_rank\": 128, \"selector_codebooks\": "
-                   "\"factored\", \"target_layer_ids\": [1, 9, 17], \"mask_token_id\": 151669, \"sliding_window\": "
-                   "2048, \"layer_types\": [\"sliding_attention\", \"full_attention\"]}' (dflash2.py and ALGORITHM.md "
-                   "say what each does); given twice, the fields of both, the later's where they meet")
-    return g
+        try:
+            fields = json.loads(values)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentError(self, f"{values!r} is not JSON ({e.msg} at column {e.colno})") from None
+        if not isinstance(fields, dict):
+            raise argparse.ArgumentError(self, f"{values!r} is not a JSON object of DFlash2Config fields")
+        unknown = unknown_fields(fields)
+        own = [OWN_FLAGS[k] for k in fields if k in OWN_FLAGS]
+        if unknown or own:
+            why = (f"unknown DFlash2Config fields {unknown}" if unknown else
+                   f"set {', '.join(own)} with {'its' if len(own) == 1 else 'their'} own flag")
+            raise argparse.ArgumentError(self, f"{values}: {why}")
+        setattr(namespace, self.dest, {**getattr(namespace, self.dest), **fields})
 
 
 def drafter_fields(args):
-    """The DFlash2Config fields the drafter flags set."""
+    """The DFlash2Config fields an entry point's drafter flags set (OWN_FLAGS and --drafter-config)."""
     return {**{k: getattr(args, k) for k in OWN_FLAGS}, **args.drafter_config}
 
 
@@ -362,6 +352,17 @@ def check_target_view(c, target, ids):
                              "final-logit soft-capping)")
 
 
+def load_checked_target(target_path, dtype_flag, c, first_row, device, log):
+    """The frozen target in the training dtype (logged, with why), checked against the drafter's
+    config c: its tables and the mask token, then its forward on the first training row's start."""
+    dtype, why = training_dtype(dtype_flag, device)
+    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
+        + f": {why}")
+    model = load_target(target_path, dtype_flag, device)
+    check_target_view(c, model, torch.as_tensor(first_row[:128])[None].to(device))
+    return model
+
+
 # -----------------------------------------------------------------------------
 # the mask token
 
@@ -392,10 +393,6 @@ def choose_mask_token(tokenizer, num_rows, used_ids=None):
                          "never holds")
     return free[0], (f"{tokenizer.convert_ids_to_tokens(free[0])!r}, the lowest-id added token that is not "
                      "bos/eos/pad/unk" + (" and never occurs in the training rows" if used_ids is not None else ""))
-
-
-# -----------------------------------------------------------------------------
-# the target's features, computed once per row
 
 
 @torch.no_grad()
@@ -537,21 +534,3 @@ def feature_cache(choice, target, c, train_rows, rows_drawn, out_dir, log=print)
     log(f"target features: cached {'in ' + folder if folder else 'in memory'}, {size / 2**30:.2f} GiB for "
         f"{len(train_rows)} rows ({why})")
     return TargetFeatures(key, c.target_layer_ids, folder)
-
-
-def load_checked_target(target, dtype_flag, c, first_row, device, log):
-    """The frozen target in the training dtype (logged, with why), checked against the drafter's
-    config c: its tables and the mask token, then its forward on the first training row's start."""
-    dtype, why = training_dtype(dtype_flag, device)
-    log(f"training in {str(dtype).removeprefix('torch.')}" + (" under bf16 autocast" if dtype != torch.float32 else "")
-        + f": {why}")
-    model = load_target(target, dtype_flag, device)
-    check_target_view(c, model, torch.as_tensor(first_row[:128])[None].to(device))
-    return model
-
-
-def feature_choice(text):
-    """argparse type of --cache-target-features."""
-    if text in ("auto", "off", "memory", "disk") or text.startswith("disk:") and len(text) > 5:
-        return text
-    raise argparse.ArgumentTypeError(f"{text!r} is not auto, off, memory, disk or disk:FOLDER")

@@ -12,6 +12,9 @@ code path a real Hugging Face target folder takes:
    and one greedy continuation to read;
 4. on-policy data: every prompt answered again by the target itself, because the drafter's
    job is to predict what the target says, not what the corpus says (§6).
+
+Not here: the regeneration loop (harness/regenerate.py), the rows train.py makes of the
+conversations (harness/data.py); a real target's world is its own folder and data file.
 """
 import json
 import os
@@ -24,7 +27,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from regenerate import regenerate_conversations
+from harness.regenerate import regenerate_conversations
 
 # ChatML; {% generation %} marks assistant tokens, so return_assistant_tokens_mask works
 CHATML = ("{%- for m in messages %}{%- if m['role'] == 'assistant' %}"
@@ -161,9 +164,9 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
     machine, so that every CPU trains on a target of the same quality (a bf16 build loops more);
     train.py may still train in bf16 on it. -> (target path, data path)."""
     world = Path(cache_dir) / f"stdlib-v2-{pretrain_steps}steps-{train_prompts}prompts"
-    target, data = world / "target", world / "conversations.jsonl"
+    target_path, data_path = world / "target", world / "conversations.jsonl"
     if world.exists():
-        return str(target), str(data)
+        return str(target_path), str(data_path)
     log(f"building the offline tiny world in {world} (first run only)")
     t0, tmp = time.time(), Path(cache_dir) / f"{world.name}.tmp{os.getpid()}"
     convs = stdlib_conversations(chunk_chars=600)
@@ -194,18 +197,19 @@ def tiny_world(cache_dir, pretrain_steps, log=print, *, train_prompts=1024, max_
         os.replace(tmp, world)
     except OSError:  # another process built it first: keep theirs
         shutil.rmtree(tmp)
-    return str(target), str(data)
+    return str(target_path), str(data_path)
 
 
-def offline_world(target, data, world=1, rank=0, log=print):
-    """train.py's target and data -> (target, data), an unset one the tiny world's, built in CACHE_DIR (which the
-    DFLASH2_CACHE environment variable moves). Rank 0 builds it, the other ranks then read its cache."""
-    if target is not None and data is not None:
-        return target, data
+def offline_world(target_path, data_path, world=1, rank=0, log=print):
+    """train.py's --target and --data -> (target path, data path), an unset one the tiny world's, built in
+    CACHE_DIR (which the DFLASH2_CACHE environment variable moves). Rank 0 builds it, the other ranks then read its
+    cache."""
+    if target_path is not None and data_path is not None:
+        return target_path, data_path
     if rank:
         dist.barrier()
-    target_path, data_path = tiny_world(CACHE_DIR, PRETRAIN_STEPS, log)
+    built_target, built_data = tiny_world(CACHE_DIR, PRETRAIN_STEPS, log)
     if rank == 0 and world > 1:
         dist.barrier()
     log(f"offline world cached in {os.path.abspath(CACHE_DIR)}")
-    return target or target_path, data or data_path
+    return target_path or built_target, data_path or built_data

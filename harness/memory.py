@@ -2,12 +2,14 @@
 The memory plan of DFlash2 training on one GPU, read off the target's config before any
 weight is loaded:
 
-    python memory.py --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
+    python -m harness.memory --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
 
-prints it for train.py's shape flags (declared once: the step's here, the drafter's in target.py)
+prints it for train.py's step and drafter flags (the same names, types and defaults as train.py's)
 and --gpu-memory-gib (80). On a GPU, train.py plans for the device's total memory
 (torch.cuda.get_device_properties(device).total_memory) before the target loads: it recomputes
-each draft layer in backward when the batch fits only so, and refuses one that does not fit.
+each draft layer in backward when the batch fits only so, and refuses one that does not fit
+(fitting_plan). Not here: the drafter's shape (harness/target.py's drafter_config), the loss's
+chunking (dflash2.loss_sums; train_loss_chunk is its size here).
 
 Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one layer), where
   fixed        = target weights + the drafter's weights, grads and AdamW state (fp32
@@ -30,9 +32,8 @@ import argparse
 import torch
 
 import dflash2
-import target
-from data import at_least
-from target import load_config  # by name: the tests replace it
+from harness.data import at_least
+from harness.target import DrafterFields, drafter_config, drafter_fields, load_config, model_class, rope_tables
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
@@ -54,16 +55,16 @@ def train_loss_chunk(vocab_size):
     return max(1, LOSS_CHUNK_LOGITS // vocab_size)
 
 
-def drafter_config(target_config, **overrides):
-    """The drafter a run would build on this target (mask token 0: it changes no size)."""
-    return target.drafter_config(target_config, **{"mask_token_id": 0, **overrides})
+def sizing_config(target_config, **fields):
+    """The DFlash2Config a run would build on this target, to size it (mask token 0: it changes no size)."""
+    return drafter_config(target_config, **{"mask_token_id": 0, **fields})
 
 
 def parameter_counts(target_config, c):
     """(target, drafter) parameters, built on the meta device: shapes only, no memory."""
     with torch.device("meta"):
-        model = target.model_class(target_config).from_config(target_config)
-        drafter = dflash2.DFlash2Drafter(c, rope=target.rope_tables(c))
+        model = model_class(target_config).from_config(target_config)
+        drafter = dflash2.DFlash2Drafter(c, rope=rope_tables(c))
     count = lambda m: sum(p.numel() for p in m.parameters())  # tied embeddings counted once
     return count(model), count(drafter)
 
@@ -91,17 +92,17 @@ def layer_bytes(c, amp):
 
 
 def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk="train", grad_checkpoint=False,
-                gpu_memory_gib=80.0, amp=True, target_bytes=2, **drafter_overrides):
+                gpu_memory_gib=80.0, amp=True, target_bytes=2, **fields):
     """Estimated peak bytes of one training step per GPU, split into parts; loss_chunk: slots,
     "train" for train.py's (train_loss_chunk(V)) or None for the unchunked loss. -> dict of bytes
     (ints) plus max_batch_size (0 if not even one sequence fits gpu_memory_gib) and the shape
-    it assumed."""
+    it assumed; fields: the drafter's DFlash2Config fields (the rest from the target)."""
     if loss_chunk not in ("train", None) and loss_chunk < 1:
         raise ValueError(f"loss_chunk ({loss_chunk}) must be >= 1 (or None for the unchunked loss)")
     for name, value in (("seq_len", seq_len), ("max_anchors", max_anchors), ("batch_size", batch_size)):
         if value < 1:
             raise ValueError(f"{name} ({value}) must be >= 1")
-    c = drafter_config(target_config, **drafter_overrides)
+    c = sizing_config(target_config, **fields)
     loss_chunk = train_loss_chunk(c.vocab_size) if loss_chunk == "train" else loss_chunk
     n_target, n_drafter = parameter_counts(target_config, c)
     S, B, H, V = seq_len, c.block_size, c.hidden_size, c.vocab_size
@@ -137,7 +138,7 @@ def memory_plan(target_config, seq_len, max_anchors, batch_size=1, loss_chunk="t
 
 
 def format_plan(plan):
-    """The plan as the lines `python memory.py` prints."""
+    """The plan as the lines `python -m harness.memory` prints."""
     s = plan["shape"]
     gib = lambda x: f"{x / GiB:7.2f} GiB"
     lines = [f"memory plan: seq {s['seq_len']}, {s['anchors']} anchors, B={s['block_size']}, batch "
@@ -161,49 +162,46 @@ def check_fits(plan):
         hint = (f"--batch-size {plan['max_batch_size']} fits" if plan["max_batch_size"] else
                 "not even one sequence fits: try a smaller --max-anchors or --seq-len")
         raise ValueError(f"batch size {s['batch_size']} needs about {plan['peak'] / GiB:.3g} GiB per GPU, more than "
-                         f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python memory.py prints the plan)")
+                         f"the GPU's {s['gpu_memory_gib']:.3g} GiB; {hint} (python -m harness.memory prints the plan)")
 
 
-def add_step_flags(p):
-    """The shape of a training step (train.py's, which memory.py plans for) -> their argument group."""
-    g = p.add_argument_group("the training step")
-    g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens "
-                   "(paper: 3072)")
-    g.add_argument("--max-anchors", type=at_least(1), default=16, help="blocks per sequence per step (paper: 512 "
-                   "per 3072-token row)")
-    g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
-    return g
-
-
-def run_plan(args, gpu_memory_gib, grad_checkpoint=False):
-    """The plan of a run from its parsed flags (the step's and the drafter's, shared with train.py) and the
-    target's config."""
-    return memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size, "train",
-                       grad_checkpoint, gpu_memory_gib, **target.drafter_fields(args))
-
-
-def fitting_plan(args, gpu_memory_gib, log=print):
+def fitting_plan(target_config, seq_len, max_anchors, batch_size, fields, gpu_memory_gib, log=print):
     """train.py on a GPU: -> whether to recompute each draft layer in backward, which it does only when the
     batch fits no other way; a batch that does not fit even so is refused (check_fits)."""
-    plan = run_plan(args, gpu_memory_gib)
+    plan = memory_plan(target_config, seq_len, max_anchors, batch_size, "train", False, gpu_memory_gib, **fields)
     if plan["peak"] > gpu_memory_gib * GiB:
-        plan = run_plan(args, gpu_memory_gib, grad_checkpoint=True)
+        plan = memory_plan(target_config, seq_len, max_anchors, batch_size, "train", True, gpu_memory_gib, **fields)
         check_fits(plan)
-        log(f"recomputing each draft layer in backward: without, batch {args.batch_size} does not fit "
-            f"{gpu_memory_gib:.3g} GiB (python memory.py prints the plan)")
+        log(f"recomputing each draft layer in backward: without, batch {batch_size} does not fit "
+            f"{gpu_memory_gib:.3g} GiB (python -m harness.memory prints the plan)")
     return plan["shape"]["grad_checkpoint"]
 
 
+# -----------------------------------------------------------------------------
+# python -m harness.memory
+
+
 def parse_args(argv=None):
+    """The plan's own flags, then train.py's step and drafter flags (the same names, types and defaults)."""
     p = argparse.ArgumentParser(description="The estimated peak GPU memory of a train.py run and the largest "
                                 "--batch-size that fits, from the target's config alone (no weights).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the frozen target (its config only)")
+    p.add_argument("--target", default=None, help="HF model folder, hub id or .gguf file of the frozen target (its "
+                   "config only)")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0, help="GPU memory the plan must fit")
     p.add_argument("--grad-checkpoint", action="store_true", help="plan for recomputing each draft layer in backward "
                    "(train.py does so on its own when a batch fits no other way)")
-    add_step_flags(p)
-    target.add_drafter_flags(p)
+    g = p.add_argument_group("the training step")
+    g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens")
+    g.add_argument("--max-anchors", type=at_least(1), default=16, help="blocks per sequence per step")
+    g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
+    g = p.add_argument_group("drafter")
+    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers")
+    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
+    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
+    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
+    g.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
+                   "fields, as train.py takes them")
     return p.parse_args(argv)
 
 
@@ -214,7 +212,8 @@ def main(args, log=print):
                          "or .gguf file); the offline demo's tiny target needs no plan")
     if not args.gpu_memory_gib > 0:  # also refuses NaN
         raise ValueError(f"--gpu-memory-gib {args.gpu_memory_gib} must be > 0")
-    plan = run_plan(args, args.gpu_memory_gib, args.grad_checkpoint)
+    plan = memory_plan(load_config(args.target), args.seq_len, args.max_anchors, args.batch_size, "train",
+                       args.grad_checkpoint, args.gpu_memory_gib, **drafter_fields(args))
     log(format_plan(plan))
     return plan
 
@@ -223,4 +222,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"memory.py: {e}") from None
+        raise SystemExit(f"harness.memory: {e}") from None

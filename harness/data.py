@@ -1,11 +1,13 @@
 """
-Chat data -> training rows for train.py (ALGORITHM.md §6 Data).
+Chat data -> training rows for train.py (ALGORITHM.md §6 Data): reading conversations, the loss mask
+of the chat template's render, the batches, the data order and each row's anchor seed.
 
     conversations = read_conversations("chats.jsonl")       # [[{"role", "content", ...}, ...], ...]
     rows = load_rows("chats.jsonl", "train", tokenizer, seq_len=3072)            # input_ids / loss_mask
     ids, attention_mask, loss_mask = collate(rows[0:8], tokenizer.pad_token_id, device)
 
-(The target's own answers, on-policy data, are regenerate.py's job.)
+Not here: the target's own answers, on-policy data (harness/regenerate.py), the tokenizer
+(harness/target.py), the anchors a seed draws (dflash2.sample_anchors).
 
 A conversation is a list of {"role": system | user | assistant | tool, "content": str, ...}:
 every other field of a message (tool_calls, reasoning_content / reasoning / thinking,
@@ -46,7 +48,7 @@ import torch
 from dflash2 import sample_anchors
 
 # -----------------------------------------------------------------------------
-# the flags of the target and its data, shared by train.py, regenerate.py and checkpoint.py
+# a flag type of the entry points (train.py, python -m harness.memory, .checkpoint, .regenerate)
 
 
 def at_least(low, kind=int):
@@ -58,24 +60,6 @@ def at_least(low, kind=int):
         return value
     parse.__name__ = kind.__name__
     return parse
-
-
-def add_data_flags(p):
-    """--target, --data, --chat-template, --chat-template-kwargs, --dtype -> their argument group."""
-    g = p.add_argument_group("target and data")
-    g.add_argument("--target", help="HF model folder, hub id or .gguf file of the target; unset (train.py): the "
-                   "offline tiny Qwen3 trained on the stdlib, built and cached on first use")
-    g.add_argument("--data", help="hub dataset id or local .jsonl/.json/.parquet; rows hold "
-                   "'messages' or 'conversations' (role/content or from/value); unset (train.py): the offline "
-                   "world's conversations")
-    g.add_argument("--chat-template", help="a Jinja file replacing the tokenizer's chat template")
-    g.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
-                   "'{\"enable_thinking\": false}'")
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                   help="the target's weights; below float32 the drafter's step also runs under bf16 autocast. auto: "
-                   "bfloat16 on a GPU or on a CPU with AMX or AVX512-BF16, else float32 (decoding one sequence on "
-                   "a CPU always uses float32, which is faster there)")
-    return g
 
 
 # -----------------------------------------------------------------------------
@@ -700,7 +684,8 @@ def row_anchors(loss_mask, max_anchors, seeds):
 def data_stream(train_rows, seed, batch_size, grad_accum, world, rank, pad_token_id, device):
     """The data order: one permutation per epoch, seeded by (seed, epoch); rank r takes its slice
     of every global batch, so the step alone says where the data stands. -> micro_batch(step,
-    micro): the batch, its training rows' indices and their anchor seeds (from their places)."""
+    micro): its tokens (collate's), its training rows' indices and their anchor seeds (from their
+    places)."""
     global_batch = batch_size * grad_accum * world
 
     @lru_cache(maxsize=2)

@@ -1,15 +1,17 @@
 """
-What a run writes: the export that vLLM, SGLang and the z-lab `dflash` package load (§7:
-config.json + model.safetensors, written by save_export and read by load_export, config.json
-in the z-lab layout or in vllm-project speculators'), and for
-train.py the resume state, the identity a resumed run must share with the run it continues,
-and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary
-name and renamed into place. This file imports dflash2.py, never the other way round.
+A run's drafter and what a run writes: the drafter a run trains (build_drafter: new on the
+target's family, or warm-started from an export); the export that vLLM, SGLang and the z-lab
+`dflash` package load (§7: config.json + model.safetensors, written by save_export and read by
+load_export, config.json in the z-lab layout or in vllm-project speculators'), and for train.py
+the resume state, the identity a resumed run must share with the run it continues, and the
+run's record (metrics.jsonl, curves.png). Everything is written under a temporary name and
+renamed into place. Not here: what the drafter computes (dflash2.py), its shape on a target
+and its mask token (harness/target.py), the metrics the record holds (harness/metrics.py).
 
 As a script it writes an export for serving and prints the engines' commands for it:
 
-    python checkpoint.py --target Qwen/Qwen3-4B --out untrained --block-size 16   # before training: does it load?
-    python checkpoint.py --target Qwen/Qwen3-4B --from out/checkpoint --out spec --format speculators
+    python -m harness.checkpoint --target Qwen/Qwen3-4B --out untrained --block-size 16   # does an engine load it?
+    python -m harness.checkpoint --target Qwen/Qwen3-4B --from out/checkpoint --out spec --format speculators
 """
 import argparse
 import dataclasses
@@ -24,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-import target
-from target import known_fields, rope_tables
+from harness.data import at_least
+from harness.target import (DrafterFields, drafter_config, drafter_fields, is_gguf, known_fields, load_config,
+                            load_tokenizer, mask_token, rope_tables)
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -372,19 +375,43 @@ def load_export(path, dtype=torch.float32, num_target_layers=None, **overrides):
     return drafter.to(dtype)
 
 
-def serving_commands(target, export_path, block_size, export_format="z-lab"):
+def serving_commands(target_name, export_path, block_size, export_format="z-lab"):
     """How each engine serves an export: vLLM counts the B - 1 drafted tokens, SGLang the whole
     block B; the z-lab `dflash` package's CLI needs its runtime extra and a CUDA device. The
     speculators format is vLLM's alone, and its config.json already names the target and B - 1."""
     if export_format == "speculators":
         return [f"vllm serve {export_path}"]
     return [
-        f"vllm serve {target} --speculative-config "
+        f"vllm serve {target_name} --speculative-config "
         f"'{{\"method\": \"dflash\", \"model\": \"{export_path}\", \"num_speculative_tokens\": {block_size - 1}}}'",
-        f"python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+        f"python -m sglang.launch_server --model-path {target_name} --speculative-algorithm DFLASH "
         f"--speculative-draft-model-path {export_path} --speculative-num-draft-tokens {block_size}",
-        f"pip install \"dflash[local]\" && dflash generate transformers --model {target} --draft {export_path} \"Hello\"",
+        f"pip install \"dflash[local]\" && dflash generate transformers --model {target_name} --draft {export_path} "
+        "\"Hello\"",
     ]
+
+
+# -----------------------------------------------------------------------------
+# a run's drafter
+
+
+def build_drafter(target_config, tokenizer, fields, rows=None, init_from=None, log=print):
+    """The drafter of DFlash2Config `fields` on this target (its width, RoPE and tables' transforms from the
+    target's config), or with init_from the export there, whose architecture wins (a DFlash (v1) one gains the
+    fields' convolution and selector at identity), checked against the target's shape before its weights load. The
+    mask token, unless the fields name one, is the target's tokenizer's that the `rows` (a Dataset of input_ids)
+    never hold. Seed torch first: the new drafter's init draws from its generator."""
+    text = target_config.get_text_config()  # a multimodal wrapper's language model
+    if init_from:
+        drafter = load_export(init_from, num_target_layers=text.num_hidden_layers)
+        if not drafter.config.is_dflash2:  # DFlash (v1): this run's convolution and selector join at identity
+            drafter = with_parts(drafter, **{k: v for k, v in fields.items() if k.startswith(("conv_", "selector_"))})
+        dflash2.check_target_shape(drafter.config, text.num_hidden_layers, text.hidden_size, text.vocab_size)
+        return drafter
+    if "mask_token_id" not in fields:
+        fields = {**fields, "mask_token_id": mask_token(tokenizer, text.vocab_size, rows, log)}
+    c = drafter_config(target_config, **fields)
+    return dflash2.DFlash2Drafter(c, rope=rope_tables(c))
 
 
 # -----------------------------------------------------------------------------
@@ -412,12 +439,12 @@ def data_fingerprint(rows):
     return {"rows": len(rows), "sample_sha256": digest}
 
 
-def run_identity(target_config, drafter_config, train_rows, seq_len, schedule):
-    """Everything a resumed run must share with the run it continues."""
-    target = {k: v for k, v in target_config.to_dict().items()
+def run_identity(target_config, c, train_rows, seq_len, schedule):
+    """Everything a resumed run must share with the run it continues (c: its drafter's DFlash2Config)."""
+    config = {k: v for k, v in target_config.to_dict().items()
               if k not in ("_name_or_path", "transformers_version", "dtype", "torch_dtype")}
-    return {"target_config": target, "data": data_fingerprint(train_rows), "seq_len": seq_len, "schedule": schedule,
-            "drafter": dataclasses.asdict(drafter_config)}
+    return {"target_config": config, "data": data_fingerprint(train_rows), "seq_len": seq_len, "schedule": schedule,
+            "drafter": dataclasses.asdict(c)}
 
 
 def check_resume(resume_file, run):
@@ -503,42 +530,38 @@ def save_checkpoint(drafter, optimizer, step, out_dir, export, meta):
 
 
 # -----------------------------------------------------------------------------
-# the export job: python checkpoint.py
+# the export job: python -m harness.checkpoint
 
 
 def served_target(target_name):
     """The model engines serve a drafter's target from: --target, or for a GGUF file the original
     model it was converted from, which only the user can name (ORIGINAL_MODEL)."""
-    return "ORIGINAL_MODEL" if target.is_gguf(target_name) else target_name
-
-
-def untrained_drafter(args, target_config):
-    """The drafter of the drafter flags on this target, untrained. Factored codebooks' tables need the target's
-    embedding, which is not read: they are written as free tables at their init, which score as the untrained
-    factored selector does (successor side 0: the unary logits)."""
-    fields = target.drafter_fields(args)
-    if "mask_token_id" not in fields:
-        fields["mask_token_id"], _ = target.choose_mask_token(target.load_tokenizer(args.target),
-                                                              target_config.get_text_config().vocab_size)
-    c = target.drafter_config(target_config, **{**fields, "selector_codebooks": "free"})
-    return dflash2.DFlash2Drafter(c, rope=rope_tables(c))
+    return "ORIGINAL_MODEL" if is_gguf(target_name) else target_name
 
 
 def parse_args(argv=None):
+    """The export's own flags, then train.py's drafter flags (the same names, types and defaults)."""
     p = argparse.ArgumentParser(description="Write a drafter export for serving and print the engines' commands "
-                                "for it: --from a trained export (rewritten in --format, --dtype), or the untrained "
-                                "drafter of the drafter flags on --target, to check that an engine loads it before "
-                                "training (the target's config and tokenizer are read, never its weights).",
+                                "for it: --from a trained export (rewritten in --format, --export-dtype), or the "
+                                "untrained drafter of the drafter flags on --target, to check that an engine loads it "
+                                "before training (the target's config and tokenizer are read, never its weights).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--target", help="HF model folder, hub id or .gguf file of the target the drafter serves")
-    p.add_argument("--out", help="the export folder to write")
-    p.add_argument("--from", dest="source", metavar="EXPORT", help="an export folder (train.py's OUT/checkpoint); "
-                   "unset: the untrained drafter of the drafter flags")
+    p.add_argument("--target", default=None, help="HF model folder, hub id or .gguf file of the target the drafter "
+                   "serves")
+    p.add_argument("--out", default=None, help="the export folder to write")
+    p.add_argument("--from", dest="source", default=None, metavar="EXPORT", help="an export folder (train.py's "
+                   "OUT/checkpoint); unset: the untrained drafter of the drafter flags")
     p.add_argument("--format", default="z-lab", choices=EXPORT_FORMATS, help="config.json's layout: z-lab's (vLLM, "
                    "SGLang, the dflash package) or vllm-project speculators' (vLLM; it names --target as the verifier, "
                    "so `vllm serve OUT` is enough); the same tensors (§7)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the tensors' dtype")
-    target.add_drafter_flags(p)
+    p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the tensors' dtype")
+    g = p.add_argument_group("drafter (untrained: without --from)")
+    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers")
+    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
+    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
+    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
+    g.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
+                   "fields, as train.py takes them")
     return p.parse_args(argv)
 
 
@@ -546,15 +569,17 @@ def main(args, log=print):
     """Write the export of args and log its serving commands -> its path."""
     if not (args.target and args.out):
         raise ValueError("needs --target (the model the drafter serves) and --out (the export folder to write)")
-    target_config = target.load_config(args.target)
+    target_config = load_config(args.target)
     text = target_config.get_text_config()
     if args.source:
         drafter = load_export(args.source, num_target_layers=text.num_hidden_layers)
         dflash2.check_target_shape(drafter.config, text.num_hidden_layers, text.hidden_size, text.vocab_size)
-    else:
-        drafter = untrained_drafter(args, target_config)
+    else:  # factored codebooks' tables need the target's embedding, which is not read: they are written as free
+        # tables at their init, which score as the untrained factored selector does (successor side 0: U)
+        drafter = build_drafter(target_config, load_tokenizer(args.target),
+                                {**drafter_fields(args), "selector_codebooks": "free"}, log=log)
     path, served, B = os.path.abspath(args.out), served_target(args.target), drafter.config.block_size
-    save_export(drafter, path, getattr(torch, args.dtype), args.format, verifier={
+    save_export(drafter, path, getattr(torch, args.export_dtype), args.format, verifier={
         "name_or_path": served, "architectures": list(getattr(target_config, "architectures", None) or [])})
     if served != args.target:
         where = ("the commands below" if args.format == "z-lab" else
@@ -574,4 +599,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"checkpoint.py: {e}") from None
+        raise SystemExit(f"harness.checkpoint: {e}") from None

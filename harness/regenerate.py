@@ -2,7 +2,7 @@
 On-policy data: every assistant turn answered again by the target itself, because the
 drafter's job is to predict what the target says, not what the corpus says (ALGORITHM.md §6).
 
-    python regenerate.py --target Qwen/Qwen3-4B --data prompts.jsonl --out chats.jsonl [--temperature 1 ...]
+    python -m harness.regenerate --target Qwen/Qwen3-4B --data prompts.jsonl --out chats.jsonl [--temperature 1 ...]
     conversations = regenerate_conversations(target, tokenizer, conversations)   # in memory
     regenerate_file(target, tokenizer, "prompts.jsonl", "chats.jsonl", temperature=1.0, seed=0, ...)   # resumable
 
@@ -17,6 +17,8 @@ Decisions:
   uses), and the stop tokens are the template's end-of-turn token and the eos;
 - regenerate_file seeds each batch of rows from (seed, its first row), so a run repeats itself
   at T > 0 and a resumed run writes what the uninterrupted one would have.
+Not here: reading and checking the conversations and rendering them (harness/data.py), loading
+the target (harness/target.py), the training rows train.py makes of the file written.
 """
 import argparse
 import json
@@ -27,9 +29,9 @@ from pathlib import Path
 import torch
 
 import dflash2
-from data import (REASONING, add_data_flags, located_conversations, parse_template_kwargs, read_conversations, render,
-                  template_facts)
-from target import load_target, load_tokenizer
+from harness.data import (REASONING, at_least, located_conversations, parse_template_kwargs, read_conversations,
+                          render, template_facts)
+from harness.target import load_target, load_tokenizer
 
 
 @torch.no_grad()
@@ -194,10 +196,19 @@ def regenerate_file(target, tokenizer, in_path, out_path, *, temperature, top_p=
 
 
 def parse_args(argv=None):
+    """The flags; those train.py takes too have its names, types and defaults."""
     p = argparse.ArgumentParser(description="Write --data with every assistant turn answered again by the target "
                                 "(on-policy data, ALGORITHM.md §6); a killed run started again resumes.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_data_flags(p)  # --target answers; a row of --data may end with a user turn (a list of prompts)
+    p.add_argument("--target", default=None, help="HF model folder, hub id or .gguf file of the target that answers")
+    p.add_argument("--data", default=None, help="hub dataset id or local .jsonl/.json/.parquet of conversations, as "
+                   "train.py reads them; a row may end with a user turn (a list of prompts)")
+    p.add_argument("--chat-template", default=None, help="a Jinja file replacing the tokenizer's chat template")
+    p.add_argument("--chat-template-kwargs", default="{}", help="JSON options for the template, e.g. "
+                   "'{\"enable_thinking\": false}'")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="the target's weights; auto: bfloat16 on a GPU or on a CPU with AMX or AVX512-BF16, else "
+                   "float32")
     p.add_argument("--out", metavar="OUT.jsonl", help="the regenerated conversations, one {\"messages\": [...]} a line")
     p.add_argument("--data-split", default="train", help="split of a hub dataset")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers")
@@ -206,7 +217,7 @@ def parse_args(argv=None):
     p.add_argument("--top-k", type=int, default=0, help="at a temperature > 0, draw from the k most likely tokens, "
                    "as serving's top-k does (0: all tokens)")
     p.add_argument("--max-new-tokens", type=int, default=2048, help="longest answer, in tokens")
-    p.add_argument("--batch-size", type=int, default=16, help="conversations per generate batch")
+    p.add_argument("--batch-size", type=at_least(1), default=8, help="conversations per generate batch")
     p.add_argument("--seed", type=int, default=0, help="seeds the sampled answers (temperature > 0)")
     return p.parse_args(argv)
 
@@ -217,9 +228,8 @@ def main(args, log=print):
     if not (args.target and args.data and args.out):
         raise ValueError("needs --target (who answers), --data (the conversations) and --out (where the answers go)")
     dflash2.check_sampling(args.temperature, args.top_p, args.top_k)
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--batch-size", args.batch_size)):
-        if value < 1:
-            raise ValueError(f"{flag} {value} must be >= 1")
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens {args.max_new_tokens} must be >= 1")
     template_kwargs = parse_template_kwargs(args.chat_template_kwargs)
     read_conversations(args.data, args.data_split, log=log, need_answer=False)
     tokenizer = load_tokenizer(args.target, args.chat_template)
@@ -235,4 +245,4 @@ if __name__ == "__main__":
     try:
         main(parse_args())
     except ValueError as e:  # bad input: one line, no traceback
-        raise SystemExit(f"regenerate.py: {e}") from None
+        raise SystemExit(f"harness.regenerate: {e}") from None
