@@ -247,17 +247,17 @@ def with_parts(drafter, **parts):
 
 def with_tables(drafter, embedding):
     """A factored selector's codebooks (§3) as the [V, R] tables engines read, from `embedding`,
-    the target's input embedding: A = E·W_Aᵀ, Bc = E·W_Bᵀ. -> a drafter with free codebooks that
+    the target's input embedding: A = W_in·W_Aᵀ, Bc = W_in·W_Bᵀ. -> a drafter with free codebooks that
     computes what `drafter` computes."""
     if embedding is None:
         raise ValueError("the drafter's selector has factored codebooks: exporting it needs the target's input "
                          "embedding (save_export(..., embedding=target.get_input_embeddings()))")
     state = drafter.state_dict()
     with torch.no_grad():  # the same F.linear on fp32 rows as CandidateSelector.edge_scores
-        E = embedding.weight.float()
+        W_in = embedding.weight.float()
         for side in ("predecessor", "successor"):
             W = state.pop(f"candidate_selector.{side}_projection.weight").float()
-            state[f"candidate_selector.{side}_codebook"] = F.linear(E, W)
+            state[f"candidate_selector.{side}_codebook"] = F.linear(W_in, W)
     whole = dflash2.DFlash2Drafter(dataclasses.replace(drafter.config, selector_codebooks="free"), rope=drafter.rope)
     whole.load_state_dict(state)
     return whole

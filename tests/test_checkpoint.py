@@ -235,7 +235,7 @@ def test_a_convolution_filled_in_for_export_takes_a_group_size_that_divides_h(tm
 def test_factored_codebooks_export_as_the_tables_they_stand_for(tmp_path, target):
     """A drafter whose selector has factored codebooks (§3) exports as any DFlash2 drafter: the
     §7 tensors and the config.json of the same drafter with free codebooks, the tables being
-    A = E·W_Aᵀ and Bc = E·W_Bᵀ (against a loop over the vocabulary, E the target's input
+    A = W_in·W_Aᵀ and Bc = W_in·W_Bᵀ (against a loop over the vocabulary, W_in the target's input
     embedding), so the loaded drafter's edge scores and greedy walk are the factored one's."""
     drafter, embed = checkpoint_drafter(target, selector_codebooks="factored"), target.get_input_embeddings()
     with pytest.raises(ValueError, match="factored codebooks: exporting it needs the target's input embedding"):
@@ -249,12 +249,12 @@ def test_factored_codebooks_export_as_the_tables_they_stand_for(tmp_path, target
     loaded = checkpoint.load_export(tmp_path / "ckpt")
     assert loaded.config == dataclasses.replace(drafter.config, selector_codebooks="free"), loaded.config
 
-    sel, E, state = drafter.candidate_selector, embed.weight.tolist(), loaded.state_dict()
+    sel, W_in, state = drafter.candidate_selector, embed.weight.tolist(), loaded.state_dict()
     for side in ("predecessor", "successor"):
         W = getattr(sel, f"{side}_projection").weight.tolist()
-        want = torch.tensor([[sum(w[i] * E[v][i] for i in range(len(E[v]))) for w in W] for v in range(len(E))])
+        want = torch.tensor([[sum(w[i] * row[i] for i in range(len(row))) for w in W] for row in W_in])
         got = state[f"candidate_selector.{side}_codebook"]
-        assert (got - want).abs().max() < 1e-5, f"{side}_codebook differs from E·W by {(got - want).abs().max():.3g}"
+        assert (got - want).abs().max() < 1e-5, f"{side}_codebook differs from W_in·W by {(got - want).abs().max():.3g}"
     kept = {k: v for k, v in drafter.state_dict().items()
             if not k.startswith(("candidate_selector.predecessor", "candidate_selector.successor"))}
     differ = [k for k, v in kept.items() if not torch.equal(state[k], v)]

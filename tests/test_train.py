@@ -210,13 +210,13 @@ def test_a_multimodal_wrapper_builds_the_drafter_of_its_language_model(tmp_path,
 def assert_bf16_table(table, want, side):
     """An exported (bf16) codebook against its float64 value: within bf16's rounding, 2^-8 of its largest entry."""
     off = (table - want).abs().max() / want.abs().max()
-    assert off <= 2 ** -8, f"{side}_codebook differs from E·W by {off:.3g} of its largest entry"
+    assert off <= 2 ** -8, f"{side}_codebook differs from W_in·W by {off:.3g} of its largest entry"
 
 
 def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, monkeypatch):
     """Factored codebooks: a run killed after its step-1 checkpoint resumes W_A and
     W_B from resume.pt and trains them on (they move); its export is an ordinary DFlash2
-    checkpoint whose tables are E·W_Aᵀ and E·W_Bᵀ of the final weights, E the target's embedding."""
+    checkpoint whose tables are W_in·W_Aᵀ and W_in·W_Bᵀ of the final weights, W_in the target's embedding."""
     save = checkpoint.save_checkpoint
 
     def save_then_die(*a, **k):
@@ -233,12 +233,12 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
     assert list(run("--resume")["losses"]) == [2], "the resumed run did not do step 2 alone"
     last = torch.load(tmp_path / "resume.pt", weights_only=True)
     assert last["run"]["drafter"]["selector_codebooks"] == "factored", last["run"]["drafter"]
-    E = AutoModelForCausalLM.from_pretrained(world["target"]).get_input_embeddings().weight.double()
+    W_in = AutoModelForCausalLM.from_pretrained(world["target"]).get_input_embeddings().weight.double()
     exported = checkpoint.load_export(tmp_path / "checkpoint").state_dict()
     for side in ("predecessor", "successor"):
         W = last["model"][f"candidate_selector.{side}_projection.weight"]
         assert not torch.equal(W, first["model"][f"candidate_selector.{side}_projection.weight"]), f"W {side} froze"
-        table, want = exported[f"candidate_selector.{side}_codebook"].double(), E @ W.double().T
+        table, want = exported[f"candidate_selector.{side}_codebook"].double(), W_in @ W.double().T
         assert_bf16_table(table, want, side)
 
 
@@ -979,7 +979,7 @@ def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
 
 def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world, tmp_path):
     """On a target whose lm_head is not its input embedding, the exported factored codebooks are
-    E·W_Aᵀ and E·W_Bᵀ with E the input embedding (what the selector reads), not lm_head's rows."""
+    W_in·W_Aᵀ and W_in·W_Bᵀ with W_in the input embedding (what the selector reads), not lm_head's rows."""
     untied = tmp_path / "untied"
     tokenizer = tiny_world.build_tiny_tokenizer()
     tiny_qwen3(len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32, seed=3,
@@ -989,13 +989,13 @@ def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world
     train.train(args_for({**world, "target": str(untied)}, tmp_path / "out", "--steps", "1", "--drafter-config",
                          FACTORED))
     model = AutoModelForCausalLM.from_pretrained(untied)
-    E, head = (m.weight.detach().double() for m in (model.get_input_embeddings(), model.get_output_embeddings()))
-    assert (E - head).abs().max() > 0.01, "the test target's lm_head is its embedding: it could not tell them apart"
+    W_in, head = (m.weight.detach().double() for m in (model.get_input_embeddings(), model.get_output_embeddings()))
+    assert (W_in - head).abs().max() > 0.01, "the test target's lm_head is its embedding: it could not tell them apart"
     state = torch.load(tmp_path / "out" / "resume.pt", weights_only=True)["model"]
     exported = checkpoint.load_export(tmp_path / "out" / "checkpoint").state_dict()
     for side in ("predecessor", "successor"):
         table, want = exported[f"candidate_selector.{side}_codebook"].double(), \
-            E @ state[f"candidate_selector.{side}_projection.weight"].double().T
+            W_in @ state[f"candidate_selector.{side}_projection.weight"].double().T
         assert_bf16_table(table, want, side)
 
 
