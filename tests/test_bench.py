@@ -634,6 +634,19 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
         w["outputs_differ"]
 
 
+def test_wall_clock_without_a_drafter_times_what_a_user_runs_instead():
+    """No drafter: target_generate, transformers' generate and its prompt lookup, nothing of spec_generate, and
+    the best k among those tried."""
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    w = real.wall_clock(None, target, [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]])], 12, stop_id=39,
+                        lookup_ks=(2, 4), log=lambda *a: None)
+    assert sorted(w["tokens_per_s"]) == ["prompt lookup, k = 2", "prompt lookup, k = 4", "target_generate",
+                                         "transformers generate"] and not w["spec"], w
+    best = max((2, 4), key=lambda k: w["tokens_per_s"][f"prompt lookup, k = {k}"])
+    assert w["best"] == {"lookup_k": best} and w["outputs_differ"]["prompt lookup, k = 2"] == 0, w
+    assert "spec_generate" not in real.wall_clock_markdown("no drafter", w)
+
+
 def test_acceptance_counts_are_the_fields_three_ways_of_counting():
     """Two requests of unequal length, counted by hand: the per-request mean AL averages each request's
     mean (a short request weighs as much as a long one), the pooled AL divides all tokens by all cycles,
