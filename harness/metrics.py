@@ -66,9 +66,10 @@ def dflash2_metrics(drafter, view, slots, cfg=None):
 
 
 @torch.no_grad()
-def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log=print):
-    """spec_generate on each prompt (1, P) at T = 0 and T = 1, the target in decoding_dtype (and back after: bf16 ->
-    float32 -> bf16 is exact), logged as a table. -> {T: (mean AL, mean tokens/s, the first output's text)}."""
+def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log=print, draft_tokens=None):
+    """spec_generate on each prompt (1, P) at T = 0 and T = 1, verifying draft_tokens drafts a cycle (None: B − 1),
+    the target in decoding_dtype (and back after: bf16 -> float32 -> bf16 is exact), logged as a table.
+    -> {T: (mean AL, mean tokens/s, the first output's text)}."""
     trained_in, device = target.dtype, prompts[0].device
     target.to(decoding_dtype(device, trained_in))
     generator, view, table = torch.Generator(device).manual_seed(seed), decoding_view(drafter.config, target), {}
@@ -76,7 +77,8 @@ def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log
         als, tps, texts, t0 = [], [], [], time.time()
         for ids in prompts:
             new, s = dflash2.spec_generate(drafter, target, ids, max_new_tokens, temperature, generator=generator,
-                                           stop_token_ids=[tokenizer.eos_token_id], view=view)
+                                           stop_token_ids=[tokenizer.eos_token_id], view=view,
+                                           draft_tokens=draft_tokens)
             als.append(s.mean_acceptance_length)
             tps.append(s.tokens_per_second)
             texts.append(tokenizer.decode(new))
@@ -109,10 +111,11 @@ def mean_stats(all_stats):
 
 @torch.no_grad()
 def evaluate(drafter, target, tokenizer, val, cfg, batch_size, max_anchors, seed, log=print, prompts=0,
-             max_new_tokens=96):
+             max_new_tokens=96, draft_tokens=None):
     """The validation rows' loss (cfg: the run's dflash2.LossConfig) and §6 metrics, logged, each row's anchors drawn
-    from -1 - anchor_seed(seed, i), never a training row's seed; then decoding_eval on the first `prompts` rows'
-    prompts (all before the first answer token). -> {val: stats, al_t0 and al_t1 when it decoded}."""
+    from -1 - anchor_seed(seed, i), never a training row's seed; then decoding_eval (draft_tokens: its drafts a
+    cycle) on the first `prompts` rows' prompts (all before the first answer token). -> {val: stats, al_t0 and
+    al_t1 when it decoded}."""
     seeds = [-1 - anchor_seed(seed, i) for i in range(len(val))]
     c, stats, b = drafter.config, [], batch_size
     view = dflash2.target_view(c, target)
@@ -134,5 +137,6 @@ def evaluate(drafter, target, tokenizer, val, cfg, batch_size, max_anchors, seed
         return {"val": s}
     ids = [row["input_ids"][None, :int(row["loss_mask"].nonzero()[0]) or len(row["input_ids"]) // 2]
            for row in val.select(range(min(prompts, len(val))))]
-    table = decoding_eval(drafter, target, tokenizer, [i.to(target.device) for i in ids], max_new_tokens, seed, log)
+    table = decoding_eval(drafter, target, tokenizer, [i.to(target.device) for i in ids], max_new_tokens, seed, log,
+                          draft_tokens)
     return {"val": s, "al_t0": table[0.0][0], "al_t1": table[1.0][0]}

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dflash2
 from conftest import argmax_loop
 from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
 from harness.metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
@@ -209,3 +210,23 @@ def test_the_end_of_run_sampling_is_seeded_by_the_runs_seed(decoding):
                                                                        ("seed 1", 1))}
     assert got["seed 0"] == got["seed 0 again"], f"one seed sampled twice: {got['seed 0']} then {got['seed 0 again']}"
     assert got["seed 0"] != got["seed 1"], f"seeds 0 and 1 sampled the same tokens at T = 1: {got['seed 0']}"
+
+
+def test_the_end_of_run_decoding_verifies_the_draft_length_asked(decoding, monkeypatch):
+    """draft_tokens reaches every spec_generate call of the end-of-run decoding, and no cycle commits more than
+    draft_tokens + 1 tokens (None: the block's B − 1)."""
+    target, drafter, prompt = decoding
+    real_spec, seen = dflash2.spec_generate, []
+
+    def recording(*a, **k):
+        out = real_spec(*a, **k)
+        seen.append((k.get("draft_tokens"), max(out[1].acceptance_lengths, default=1)))
+        return out
+    monkeypatch.setattr(dflash2, "spec_generate", recording)
+    tokenizer = SimpleNamespace(eos_token_id=-1, decode=lambda ids: ids.tolist())
+    for n in (None, 2):
+        seen.clear()
+        decoding_eval(drafter, target, tokenizer, [prompt], 12, 0, log=lambda *a: None, draft_tokens=n)
+        assert [asked for asked, _ in seen] == [n, n], f"draft_tokens {n}: spec_generate was asked {seen}"
+        limit = (n or drafter.config.block_size - 1) + 1
+        assert all(longest <= limit for _, longest in seen), f"draft_tokens {n}: cycles committed {seen}"
