@@ -46,7 +46,7 @@ def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
     """A random drafter for `target` (1 layer, mask token V - 1 unless overridden) whose DFlash2
     parts are off their identity init: the selector's codebooks and projection are random (so
     q depends on the predecessor) and the convolution has nonzero off-centre taps and dynamic
-    kernels. A rope_scaling override takes its tables from target.rope_tables."""
+    kernels. A rope_scaling override takes its tables from harness.target.rope_tables."""
     torch.manual_seed(seed)
     shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
     c = drafter_config(target.config, **{**shape, **overrides})

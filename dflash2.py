@@ -343,12 +343,12 @@ def unary_drafts(U, temperature, generator=None, top_p=1.0, top_k=0):
 
 class DFlash2Drafter(nn.Module):
     """Parameter names follow §7 (the export: the state_dict, factored tables materialized). rope(config, positions)
-    -> (inv_freq, scale): plain_rope, or the tables of the target's type (rope_scaling) from target.rope_tables."""
+    -> (inv_freq, scale): plain_rope, or the tables of the target's type (rope_scaling): harness.target.rope_tables."""
     def __init__(self, config, rope=None):
         super().__init__()
         c = self.config = config
         require(rope is not None or c.rope_scaling is None, f"rope_type {(c.rope_scaling or {}).get('rope_type')!r}: "
-                "its tables come from outside, DFlash2Drafter(config, rope=target.rope_tables(config))")
+                "its tables come from outside, DFlash2Drafter(config, rope=harness.target.rope_tables(config))")
         self.rope = rope or plain_rope
         self.fc = nn.Linear(len(c.target_layer_ids) * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

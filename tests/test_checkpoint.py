@@ -1,4 +1,4 @@
-"""Tests of checkpoint.py's export I/O (ALGORITHM.md §7): save_export and load_export
+"""Tests of harness/checkpoint.py's export I/O (ALGORITHM.md §7): save_export and load_export
 against the contract written out from §7 (tensor names and shapes, config.json
 keys), round trips that draft the same tokens, the export dtype, exports of drafters with a part
 off, DFlash (v1) checkpoints and the warm start from them, vllm-project speculators' format (read
@@ -335,7 +335,7 @@ def test_crash_mid_save_leaves_no_partial_checkpoint(monkeypatch, tmp_path, save
 # DFlash (v1) checkpoints and the warm start from them
 
 
-LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}  # a target's RoPE whose tables come from target.rope_tables
+LINEAR_ROPE = {"rope_type": "linear", "factor": 2.0}  # a target's RoPE whose tables come from harness.target.rope_tables
 
 
 @pytest.mark.parametrize("part_off", ["conv_kernel_size", "selector_top_k", "v1 warm start"])

@@ -1,4 +1,5 @@
-"""Tests of data.py: reading chat files, assistant masks, training rows, their order in a run, the flags it declares.
+"""Tests of harness/data.py: reading chat files, assistant masks, training rows, their order in a run, the flags it
+declares.
 Tiny random targets and byte-level tokenizers built on the spot; no downloads, CPU only."""
 import json
 import random

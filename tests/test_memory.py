@@ -1,4 +1,4 @@
-"""Tests of memory.py (the plan `python -m harness.memory` prints) and of the memory the loss
+"""Tests of harness/memory.py (the plan `python -m harness.memory` prints) and of the memory the loss
 allocates: the plan against peak memory measured in a subprocess by bench/cost.py's memory
 table (CPU, scaled-down shapes, ±20%), the chunked loss never building a (slots, V) tensor,
 the flags the plan reads (memory.py's and train.py's GPU check alike), and bad input. Nothing

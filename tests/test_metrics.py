@@ -1,4 +1,4 @@
-"""Tests of metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
+"""Tests of harness/metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
 slots, against loops over the counted slots, on test_dflash2.py's tiny random target, drafter, batch
 and loop references, and the end-of-run decoding; nothing is downloaded.
 Run: python -m pytest tests/test_metrics.py -q

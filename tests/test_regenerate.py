@@ -1,4 +1,4 @@
-"""Tests of regenerate.py: on-policy answers are the target's own greedy (or seeded)
+"""Tests of harness/regenerate.py: on-policy answers are the target's own greedy (or seeded)
 continuations, resumable files, prompt-only rows. A tiny random target and a byte-level
 tokenizer built on the spot; no downloads, CPU only."""
 import itertools

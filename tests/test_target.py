@@ -1,4 +1,4 @@
-"""Tests of target.py and of train.py on a real-model path: the mask-token rule, what --target
+"""Tests of harness/target.py and of train.py on a real-model path: the mask-token rule, what --target
 may name, the drafter's config of a target, a tiny random Llama folder (tied embeddings, GQA, a
 ChatML template, a tokenizer with no mask token and no free embedding row) through regeneration,
 training, export and speculative decoding, and a tiny Llama GGUF file written here. Everything is
