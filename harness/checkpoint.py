@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-from harness.data import at_least
-from harness.target import (DrafterFields, drafter_config, drafter_fields, is_gguf, known_fields, load_config,
+from harness.target import (add_drafter_flags, drafter_config, drafter_fields, is_gguf, known_fields, load_config,
                             load_tokenizer, mask_token, rope_tables)
 
 # -----------------------------------------------------------------------------
@@ -555,13 +554,7 @@ def parse_args(argv=None):
                    "SGLang, the dflash package) or vllm-project speculators' (vLLM; it names --target as the verifier, "
                    "so `vllm serve OUT` is enough); the same tensors (§7)")
     p.add_argument("--export-dtype", default="bfloat16", choices=["bfloat16", "float32"], help="the tensors' dtype")
-    g = p.add_argument_group("drafter (untrained: without --from)")
-    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers")
-    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
-    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
-    g.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
-                   "fields, as train.py takes them")
+    add_drafter_flags(p.add_argument_group("drafter (untrained: without --from)"))
     return p.parse_args(argv)
 
 

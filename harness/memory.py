@@ -33,7 +33,7 @@ import torch
 
 import dflash2
 from harness.data import at_least
-from harness.target import DrafterFields, drafter_config, drafter_fields, load_config, model_class, rope_tables
+from harness.target import add_drafter_flags, drafter_config, drafter_fields, load_config, model_class, rope_tables
 
 GiB = 2 ** 30
 # AdamW with fp32 master weights: weight 4 + grad 4 + exp_avg 4 + exp_avg_sq 4 bytes
@@ -195,13 +195,7 @@ def parse_args(argv=None):
     g.add_argument("--seq-len", type=at_least(2), default=512, help="rows are truncated to this many tokens")
     g.add_argument("--max-anchors", type=at_least(1), default=16, help="blocks per sequence per step")
     g.add_argument("--batch-size", type=at_least(1), default=8, help="sequences per rank per micro-step")
-    g = p.add_argument_group("drafter")
-    g.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers")
-    g.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
-    g.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
-    g.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
-    g.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
-                   "fields, as train.py takes them")
+    add_drafter_flags(p.add_argument_group("drafter"))
     return p.parse_args(argv)
 
 

@@ -29,7 +29,7 @@ import torch
 import transformers
 
 import dflash2
-from harness.data import load_chat_template
+from harness.data import at_least, load_chat_template
 
 
 def source(target_path):
@@ -169,6 +169,17 @@ class DrafterFields(argparse.Action):
             raise argparse.ArgumentError(self, f"{values}: {why}")
         setattr(namespace, self.dest, {**getattr(namespace, self.dest), **fields})
 
+
+
+def add_drafter_flags(group):
+    """The drafter flags of the entry points that build a drafter without training it (the export job, the memory
+    plan), declared as train.py declares them (a test holds them to its name, type and default)."""
+    group.add_argument("--num-layers", type=at_least(1), default=2, help="draft layers")
+    group.add_argument("--block-size", type=at_least(2), default=8, help="B: anchor + B-1 drafted tokens")
+    group.add_argument("--conv-kernel-size", type=at_least(0), default=2, help="local convolution taps Kc (0 disables)")
+    group.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
+    group.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
+                       "fields, as train.py takes them")
 
 def drafter_fields(args):
     """The DFlash2Config fields an entry point's drafter flags set (OWN_FLAGS and --drafter-config)."""
