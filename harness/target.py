@@ -170,7 +170,6 @@ class DrafterFields(argparse.Action):
         setattr(namespace, self.dest, {**getattr(namespace, self.dest), **fields})
 
 
-
 def add_drafter_flags(group):
     """The drafter flags of the entry points that build a drafter without training it (the export job, the memory
     plan), declared as train.py declares them (a test holds them to its name, type and default)."""
@@ -180,6 +179,7 @@ def add_drafter_flags(group):
     group.add_argument("--selector-top-k", type=at_least(0), default=16, help="selector candidates K (0 disables)")
     group.add_argument("--drafter-config", action=DrafterFields, default={}, metavar="JSON", help="other DFlash2Config "
                        "fields, as train.py takes them")
+
 
 def drafter_fields(args):
     """The DFlash2Config fields an entry point's drafter flags set (OWN_FLAGS and --drafter-config)."""
