@@ -476,7 +476,8 @@ def slot_sums(view, selector, cfg, h, g, prev, w):
     U, z = view.logits(h), view.logits(g)
     log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
     soft = selector is not None and cfg.selector_labels == "soft"
-    p = F.softmax(z, dim=-1) if cfg.loss_type == "kl" or soft else None
+    # p as exp(log p), a pointwise of z: compiled, it is recomputed where it is read instead of stored (softmax's is)
+    p = F.log_softmax(z, dim=-1).exp() if cfg.loss_type == "kl" or soft else None
     if cfg.loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
         ell = (torch.special.xlogy(p, p) - p * log_q).sum(-1)
     else:

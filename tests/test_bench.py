@@ -739,6 +739,20 @@ def test_cost_quick_runs_end_to_end(tmp_path):
     assert "| DFlash2 |" in report and "floor × DFlash" in report and "| float32 cached |" in report, report
 
 
+def test_each_steps_floor_is_its_products_at_its_own_dtypes_rate():
+    """Cases of two dtypes whose product rates differ 6x: each row's floor is its FLOPs at its own dtype's rate,
+    never at the rate of the dtype the case list ends with."""
+    cases = {"float32 online, eager loss": ("float32", "online", False), "float32 cached": ("float32", "cached", True),
+             "bfloat16 cached": ("bfloat16", "cached", True)}
+    rates, flops = {"float32": 0.3e12, "bfloat16": 1.8e12}, {name: 0.9e12 for name in cases}
+    seconds = {(name, part): 6.0 for name in cases for part in ("target", "loss", "step")}
+    rows = cost.step_rows(cases, seconds, flops, rates)
+    for name, (dtype, *_) in cases.items():
+        want = flops[name] / rates[dtype]
+        assert rows[name]["floor_s"] == pytest.approx(want) and rows[name]["times_floor"] == pytest.approx(6 / want), \
+            f"{name}: floor {rows[name]['floor_s']} s, {rows[name]['times_floor']}x; its {dtype} rate gives {want} s"
+
+
 def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
     results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path), "--cache-dir",
                                                    cache_dir]))
