@@ -24,8 +24,11 @@ Peak per GPU at batch b = fixed + b · per sequence + max(loss chunk, b · one l
 The activation counts follow the tensors autograd saves in dflash2.py's drafter (fp32
 residual stream and norms, linear inputs in bf16 under autocast, both sides of the
 convolution, keys and values repeated for GQA before attention). The plan is checked
-against measured peaks: on the CPU by tests/test_memory.py and `python -m bench.cost`
-(the memory table), on a GPU by `python -m bench.gpu_check`.
+against measured peaks on the CPU only: tests/test_memory.py holds it to the peak RSS of
+training steps in a fresh process (scaled-down shapes, within 20%), and `python -m bench.cost
+--parts memory` prints the same comparison at a real vocabulary. On a GPU nothing has checked
+it yet: `python -m bench.gpu_check` compares it with CUDA's measured peak, but has not been
+run on a GPU.
 """
 import argparse
 import ctypes
@@ -49,7 +52,7 @@ LOSS_TENSORS_PER_SLOT = 6
 # train.py's loss holds at most this many slot × vocabulary logits at once: 1,024 slots of Qwen3's 151,936-token
 # vocabulary, 3.7 GB at 6 fp32 tensors a slot. A step with more slots takes them a chunk at a time, each recomputed
 # in backward (the same loss and gradients); a step whose slots all fit recomputes nothing, which on a CPU at
-# SmolLM2's 49,152 tokens takes a third off the cached step (bench/RESULTS.md)
+# SmolLM2's 49,152 tokens takes a quarter to a third off the cached step (bench/RESULTS.md, the training step)
 LOSS_CHUNK_LOGITS = 1024 * 151_936
 
 
