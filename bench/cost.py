@@ -278,10 +278,49 @@ def train_part(device, repeats, quick):
     fns.update({("product", dtype): fn for dtype, (fn, _) in products.items()})
     seconds = {k: median(v) for k, v in round_seconds(fns, repeats, warmup=1, device=device).items()}
     rates = {dtype: flops / seconds[("product", dtype)] for dtype, (_, flops) in products.items()}
+    profiled = {name: step_profile(fns[(name, "step")]) for name in PROFILED if name in cases}
     return {"shape": {**shape, "batch_size": batch_size, "seq_len": seq_len, "max_anchors": anchors, "num_layers": 2,
                       "block_size": 8, "device": str(device), "repeats": repeats},
             "cpu": cpu_model(), "product_tflops": {k: v / 1e12 for k, v in rates.items()},
-            "cases": step_rows(cases, seconds, flops, rates)}
+            "cases": step_rows(cases, seconds, flops, rates), "profile": profiled}
+
+
+PROFILED = ("bfloat16 cached", "float32 online")  # the steps whose time goes by part in the profile table
+# torch.profiler's op names by part of a step; the compiled loss's kernels run inside "CompiledFxGraph" calls
+STEP_PARTS = {
+    "matrix products": ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product_flash_attention"),
+    "compiled loss kernels (slots x V)": ("CompiledFxGraph",),
+    "top-K": ("aten::topk",),
+    "casts and copies": ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::cat", "aten::index", "aten::gather"),
+    "optimizer": ("aten::_fused_adamw_", "Optimizer."),
+}
+
+
+def step_part(op_name):
+    """The part of a step an op's self time counts in: the first STEP_PARTS entry with a prefix in its name, else
+    "other ops (eager pointwise, reductions, fills)"."""
+    for part, prefixes in STEP_PARTS.items():
+        if any(prefix in op_name for prefix in prefixes):
+            return part
+    return "other ops (eager pointwise, reductions, fills)"
+
+
+def step_profile(step):
+    """One step under torch.profiler, after a warm-up step: its self CPU milliseconds by step_part, and the page
+    faults it took (first touches of freshly mapped memory). -> {part: ms, ..., "page faults": n, "step ms": ms}."""
+    import resource
+    from torch.profiler import ProfilerActivity, profile
+    step()
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    parts = {"step ms": 1e3 * (time.perf_counter() - t0),
+             "page faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+    for event in prof.key_averages():
+        part = step_part(event.key)
+        parts[part] = parts.get(part, 0.0) + event.self_cpu_time_total / 1e3
+    return parts
 
 
 def step_rows(cases, seconds, flops, rates):
@@ -428,6 +467,13 @@ def markdown(results):
                   "step with the eager loss | products TFLOP | floor s | × floor |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {k} | {v['target_s']:.2f} | {v['loss_s']:.2f} | {v['step_s']:.2f} | {v['speedup_vs_eager']:.2f} | "
                   f"{v['product_tflop']:.3f} | {v['floor_s']:.2f} | {v['times_floor']:.1f} |" for k, v in t["cases"].items()]
+        if t.get("profile"):
+            names = list(t["profile"])
+            parts = [*STEP_PARTS, step_part(""), "page faults", "step ms"]
+            lines += ["", "One step under torch.profiler, self CPU ms by part (the profiler's own cost included)", "",
+                      "| part | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+            lines += [f"| {part} | " + " | ".join(f"{t['profile'][n].get(part, 0):.0f}" for n in names) + " |"
+                      for part in parts]
         lines.append("")
     if "memory" in results:
         m = results["memory"]

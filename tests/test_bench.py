@@ -753,6 +753,19 @@ def test_each_steps_floor_is_its_products_at_its_own_dtypes_rate():
             f"{name}: floor {rows[name]['floor_s']} s, {rows[name]['times_floor']}x; its {dtype} rate gives {want} s"
 
 
+def test_profile_parts_put_each_op_where_its_time_belongs():
+    """The profile table's parts, by op name: products, the compiled loss, top-K, casts, the optimizer, the rest."""
+    want = {"aten::mm": "matrix products", "aten::addmm": "matrix products",
+            "aten::_scaled_dot_product_flash_attention_for_cpu_backward": "matrix products",
+            "## Call CompiledFxGraph fxh3ab ##": "compiled loss kernels (slots x V)", "aten::topk": "top-K",
+            "aten::copy_": "casts and copies", "aten::_to_copy": "casts and copies",
+            "aten::_fused_adamw_": "optimizer", "Optimizer.zero_grad#AdamW.zero_grad": "optimizer",
+            "aten::mul": "other ops (eager pointwise, reductions, fills)",
+            "aten::fill_": "other ops (eager pointwise, reductions, fills)"}
+    got = {name: cost.step_part(name) for name in want}
+    assert got == want, {name: (got[name], part) for name, part in want.items() if got[name] != part}
+
+
 def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
     results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path), "--cache-dir",
                                                    cache_dir]))
