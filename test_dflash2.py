@@ -1242,3 +1242,82 @@ def test_drafter_overfits_a_fixed_batch():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < 0.3 * losses[0], f"loss went {losses[0]:.3f} -> {losses[-1]:.3f} in 50 steps (want < 30%)"
+
+
+# -----------------------------------------------------------------------------
+# sampled drafts of a DFlash drafter; RoPE tables of a row past the original context
+
+
+def qwen3_target(seed=0):
+    """A random float64 Qwen3 of make_config's target shape, frozen, built from transformers alone."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    torch.manual_seed(seed)
+    config = Qwen3Config(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    return Qwen3ForCausalLM(config).double().eval().requires_grad_(False)
+
+
+def test_a_dflash_drafters_sampled_drafts_follow_the_generator_alone(monkeypatch):
+    """Selector off, T = 1: two spec_generate calls with equally seeded generators, the global generator seeded
+    differently before each, draw the same drafts, accept the same and return the same tokens."""
+    from dflash2 import spec_generate
+    target, drafter = qwen3_target(), make_drafter(randomize=True, selector_top_k=0)
+    propose, drafts = drafter.propose, []
+
+    def recording(*args, **kwargs):
+        path, cand, q = propose(*args, **kwargs)
+        drafts.append(path.tolist())
+        return path, cand, q
+    monkeypatch.setattr(drafter, "propose", recording)
+    runs = []
+    for global_seed in (1, 2):
+        drafts.clear()
+        torch.manual_seed(global_seed)
+        ids, stats = spec_generate(drafter, target, torch.tensor([[5, 9, 3, 7]]), 16, temperature=1.0,
+                                   generator=torch.Generator().manual_seed(7))
+        runs.append({"drafts": list(drafts), "acceptance lengths": stats.acceptance_lengths, "tokens": ids.tolist()})
+    for what in runs[0]:
+        assert runs[0][what] == runs[1][what], \
+            f"{what} of one generator seed, global seeds 1 and 2: {runs[0][what]} != {runs[1][what]}"
+
+
+def test_a_training_row_past_the_original_context_takes_the_tables_decoding_there_takes():
+    """A long-RoPE-like type (short factors while every position is below L0, long ones and a larger cos/sin scale
+    once one reaches it). A row of L0 + 4 tokens: the block that crosses L0 drafts in training what decoding
+    drafts at its positions, and a block that ends before L0 drafts with the long tables too (the row's positions
+    reach past L0); a row shorter than L0 drafts with the short tables."""
+    from dflash2 import draft_forward, plain_rope
+    L0 = 12
+    drafter = make_drafter(randomize=True)
+    short = plain_rope(drafter.config)[0]
+    tables = {"short": lambda c, positions: (short, 1.0), "long": lambda c, positions: (short / 4, 1.2)}
+    tables["by position"] = lambda c, positions: tables["long" if int(positions.max()) >= L0 else "short"](c, positions)
+    g = torch.Generator().manual_seed(0)
+    W_in = torch.randn(V, H, generator=g, dtype=torch.float64)
+    view = TargetView(W_in, lambda ids: F.embedding(ids, W_in), lambda x: x @ W_in.T)
+    S = L0 + 4
+    ids = torch.randint(0, V - 1, (1, S), generator=g)
+    f = torch.randn(1, S, len(LAYER_IDS) * H, generator=g, dtype=torch.float64)
+    last_hidden = torch.randn(1, S, H, generator=g, dtype=torch.float64)
+
+    def trained(rope, anchors, length=S):
+        drafter.rope = tables[rope]
+        ones = torch.ones(1, length, dtype=torch.long)
+        batch = Batch(ids[:, :length], ones, ones, f[:, :length], last_hidden[:, :length], torch.tensor([anchors]),
+                      torch.ones(1, len(anchors), dtype=torch.bool))
+        with torch.no_grad():
+            return loss_sums(drafter, view, batch)[1].h[0]            # (N, B-1, H)
+
+    crossing = L0 - 2
+    drafter.rope = tables["by position"]
+    with torch.no_grad():
+        decoded = draft_forward(drafter, view, ids[0, crossing:crossing + 1], f[:, :crossing],
+                                DraftCache(drafter.config.num_layers))[0][0]
+    in_training = trained("by position", [2, crossing])[1]
+    assert max_diff(in_training, decoded) < 1e-10, f"the block at {crossing} (L0 = {L0}) drafts in training " \
+        f"{max_diff(in_training, decoded):.3g} away from decoding at its positions"
+    for anchors, length, want in (([2], S, "long"), ([2], L0 - 2, "short")):
+        got, expected = trained("by position", anchors, length), trained(want, anchors, length)
+        assert torch.equal(got, expected), f"a row of {length} tokens (L0 = {L0}), block at {anchors}: " \
+            f"{max_diff(got, expected):.3g} away from the {want} tables"

@@ -812,3 +812,225 @@ def test_peer_cycle_refuses_a_folder_without_an_export_then_a_missing_peer_befor
         peer_cycle.measure(args)
     with pytest.raises(ValueError, match="--prompts 0: expected an integer >= 1"):
         peer_cycle.parse_args(["--export", str(tmp_path), "--prompts", "0"])
+
+
+# -----------------------------------------------------------------------------
+# bench.real's wall clock on recorded runs (no model), its decoders, request lists and flags
+
+RECORDED_TOKENS = (12, 7, 9, 11)  # the new tokens of the answer to each recorded prompt
+
+
+def recorded_call(name, i, rates=None, outputs=None):
+    """What decoder `name` did on recorded prompt i: wrote RECORDED_TOKENS[i] new tokens, ids outputs[name][i]
+    (default: the same for every decoder), at rates[name] tokens/s (a number or one per prompt; 10 when unnamed),
+    its prefill taking one token's time; target_generate ran one forward a token, spec_generate at n drafts
+    committed n + 1 tokens a cycle. -> (seconds, ids, GenerationStats or None)."""
+    tokens, rate = RECORDED_TOKENS[i], (rates or {}).get(name, 10.0)
+    seconds = tokens / (rate[i] if isinstance(rate, (list, tuple)) else rate)
+    ids = (outputs or {}).get(name, [list(range(t)) for t in RECORDED_TOKENS])[i]
+    decode_seconds = seconds * (tokens - 1) / tokens
+    if name == "target_generate":
+        return seconds, ids, dflash2.GenerationStats(target_forwards=tokens, new_tokens=tokens,
+                                                     decode_seconds=decode_seconds)
+    if name.startswith("spec_generate"):
+        n = int(name.split()[1])
+        full, rest = divmod(tokens - 1, n + 1)
+        lengths = [n + 1] * full + [rest] * bool(rest)
+        return seconds, ids, dflash2.GenerationStats(lengths, [sum(a > k + 1 for a in lengths) for k in range(n)],
+                                                     len(lengths) + 1, tokens, decode_seconds)
+    return seconds, ids, None
+
+
+def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, lookup_ks=(2, 4)):
+    """real.wall_clock over the recorded prompts, each decoder's call replaying recorded_call on a clock it advances
+    by the call's seconds (a spec_generate draft length the block cannot verify refused as spec_generate refuses
+    it). -> (wall_clock's results, the decoders' names in the order they ran, the warm-up calls first)."""
+    from types import SimpleNamespace
+    clock, order = [0.0], []
+
+    def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
+        def replay(name, draft_tokens=None):
+            def call(prompt):
+                if draft_tokens is not None:
+                    dflash2.check_generation_args(prompt, max_new_tokens, 0.0, 1.0, 0, draft_tokens,
+                                                  drafter.config.block_size)
+                seconds, ids, stats = recorded_call(name, int(prompt[0, 0]), rates, outputs)
+                clock[0] += seconds
+                order.append(name)
+                return torch.tensor(ids), stats
+            return call
+        names = ["target_generate", "transformers generate", *(f"prompt lookup, k = {k}" for k in lookup_ks)]
+        return {name: replay(name) for name in names} | {
+            f"spec_generate, {n} drafts": replay(f"spec_generate, {n} drafts", n) for n in draft_lengths}
+    monkeypatch.setattr(real, "decoders", decoders)
+    monkeypatch.setattr(real, "verify_seconds", lambda target, prompt, widths: {w: 0.01 * w for w in widths})
+    monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
+    drafter = SimpleNamespace(config=SimpleNamespace(block_size=block_size))
+    prompts = [torch.tensor([[i]]) for i in range(len(RECORDED_TOKENS))]
+    w = real.wall_clock(drafter, None, prompts, max(RECORDED_TOKENS), stop_id=0, lookup_ks=lookup_ks,
+                        log=lambda *a: None)
+    return w, order
+
+
+def test_the_wall_clocks_decoders_take_turns_running_first_and_last(monkeypatch):
+    """After one warm-up call each, every prompt runs every decoder once, and no decoder runs first on every
+    prompt, nor last."""
+    w, order = recorded_wall_clock(monkeypatch)
+    n = len(w["tokens_per_s"])
+    rounds = [order[i:i + n] for i in range(n, len(order), n)]
+    assert len(rounds) == len(RECORDED_TOKENS) and all(sorted(r) == sorted(order[:n]) for r in rounds), rounds
+    for end, where in ((0, "first"), (-1, "last")):
+        assert len({r[end] for r in rounds}) > 1, f"{rounds[0][end]} runs {where} on every prompt: {rounds}"
+
+
+def test_the_wall_clock_checks_every_output_against_target_generates(monkeypatch):
+    """transformers' generate writing other ids than target_generate on every prompt is counted there (and
+    nowhere else); spec_generate writing generate's ids, not target_generate's, stops the run at the first prompt."""
+    others = [[39] * t for t in RECORDED_TOKENS]
+    w, _ = recorded_wall_clock(monkeypatch, outputs={"transformers generate": others})
+    want = {name: len(RECORDED_TOKENS) * (name == "transformers generate") for name in w["tokens_per_s"]}
+    assert w["outputs_differ"] == want, f"outputs counted unlike target_generate's {w['outputs_differ']}, want {want}"
+    spec_like_generate = {name: others for name in ("transformers generate", "spec_generate, 3 drafts")}
+    with pytest.raises(RuntimeError, match="prompt 0: spec_generate, 3 drafts's greedy output differs from "
+                                           "target_generate's"):
+        recorded_wall_clock(monkeypatch, outputs=spec_like_generate)
+
+
+def test_the_wall_clocks_tokens_per_second_are_tokens_over_seconds(monkeypatch):
+    """Decoders writing at 5, 10 and 30 tokens/s on every prompt show 5, 10 and 30; one whose rate varies from
+    prompt to prompt shows its tokens over its seconds, all prompts together."""
+    varying = [20.0, 40.0, 25.0, 50.0]
+    rates = {"target_generate": 5.0, "prompt lookup, k = 2": 30.0, "prompt lookup, k = 4": varying}
+    w, _ = recorded_wall_clock(monkeypatch, rates)
+    pooled = sum(RECORDED_TOKENS) / sum(t / r for t, r in zip(RECORDED_TOKENS, varying))
+    want = {"target_generate": 5.0, "transformers generate": 10.0, "prompt lookup, k = 2": 30.0,
+            "prompt lookup, k = 4": pooled}
+    got = {name: w["tokens_per_s"][name] for name in want}
+    assert got == pytest.approx(want), f"tokens/s {got}, want tokens over seconds {want}"
+
+
+def test_the_wall_clocks_ratio_to_generate_is_this_decoders_rate_over_generates(monkeypatch):
+    """A decoder faster than transformers' generate on every prompt shows a ratio above 1, interval included: the
+    mean of its per-prompt rates over the mean of generate's; a slower one below 1; generate itself 1."""
+    faster, slower = [20.0, 30.0, 25.0, 40.0], [5.0, 4.0, 8.0, 6.0]
+    w, _ = recorded_wall_clock(monkeypatch, {"prompt lookup, k = 2": faster, "target_generate": slower})
+    for name, rates in (("prompt lookup, k = 2", faster), ("target_generate", slower),
+                        ("transformers generate", [10.0] * 4)):
+        mean, lo, hi = w["vs_generate"][name]
+        want = sum(rates) / 40.0
+        assert mean == pytest.approx(want) and lo <= mean <= hi, \
+            f"{name} / transformers generate: {mean} [{lo}, {hi}], want {want} inside its interval"
+        assert (lo > 1) if want > 1 else (hi < 1) if want < 1 else (lo == hi == 1), \
+            f"{name} / transformers generate: {mean} [{lo}, {hi}] at rates {rates} against generate's 10"
+
+
+def test_the_wall_clocks_cycle_is_decode_seconds_over_cycles_and_sets_the_break_even(monkeypatch):
+    """At each draft length the cycle time is spec_generate's decode seconds over its cycles, all prompts together
+    (prompts run several cycles each), and the break-even AL is that cycle over target_generate's plain step (its
+    decode seconds over its forwards after the prefill)."""
+    w, _ = recorded_wall_clock(monkeypatch, {"spec_generate, 5 drafts": 7.0})
+    prompts = range(len(RECORDED_TOKENS))
+    plain = [recorded_call("target_generate", i)[2] for i in prompts]
+    step = sum(s.decode_seconds for s in plain) / sum(s.target_forwards - 1 for s in plain)
+    for n in (3, 5, 7):
+        spec = [recorded_call(f"spec_generate, {n} drafts", i, {"spec_generate, 5 drafts": 7.0})[2] for i in prompts]
+        cycle = sum(s.decode_seconds for s in spec) / sum(len(s.acceptance_lengths) for s in spec)
+        got = w["spec"][n]
+        assert got["cycle_seconds"] == pytest.approx(cycle), \
+            f"{n} drafts: cycle {got['cycle_seconds']} s, decode seconds over cycles {cycle} s"
+        assert got["break_even_al"] == pytest.approx(cycle / step), \
+            f"{n} drafts: break-even AL {got['break_even_al']}, cycle over plain step {cycle / step}"
+
+
+def test_the_drafters_best_draft_length_is_the_fastest_and_is_compared_with_the_fastest_lookup(monkeypatch):
+    """spec_generate fastest at 5 drafts (not the longest, 7, nor the shortest, 3) and prompt lookup at k = 2 (not
+    4): the best draft length is 5 and its ratio to prompt lookup is its rate over k = 2's."""
+    rates = {"spec_generate, 3 drafts": 30.0, "spec_generate, 5 drafts": 40.0, "spec_generate, 7 drafts": 20.0,
+             "prompt lookup, k = 2": 25.0, "prompt lookup, k = 4": 15.0}
+    w, _ = recorded_wall_clock(monkeypatch, rates)
+    best = w["best"]
+    assert (best["draft_tokens"], best["lookup_k"]) == (5, 2), f"best draft length and lookup k {best}, want 5 and 2"
+    assert best["spec_over_lookup"] == pytest.approx((40 / 25,) * 3), \
+        f"the best draft length over prompt lookup {best['spec_over_lookup']}, want 5 drafts' 40 over k = 2's 25"
+
+
+@pytest.mark.parametrize("block_size", [2, 3, 4, 5])
+def test_a_drafter_of_a_small_block_is_timed_at_the_draft_lengths_it_can_verify(monkeypatch, block_size):
+    """B <= 5: the wall clock asks spec_generate only for draft lengths 1..B - 1 (B - 1 among them) and runs."""
+    w, _ = recorded_wall_clock(monkeypatch, block_size=block_size)
+    asked = sorted(w["spec"])
+    assert asked and set(asked) <= set(range(1, block_size)) and block_size - 1 in asked, \
+        f"B = {block_size}: timed at draft lengths {asked}"
+
+
+def test_transformers_generate_is_timed_greedily_when_the_targets_generation_config_samples():
+    """A target whose generation_config samples (do_sample true, as many chat models ship): transformers' generate
+    and its prompt lookup still write target_generate's greedy answer."""
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    target.generation_config.do_sample = True
+    runs = real.decoders(None, target, 10, 39, [], (2,))
+    prompt = torch.tensor([[3, 5, 7, 9]])
+    greedy = runs["target_generate"](prompt)[0]
+    torch.manual_seed(0)
+    for name in ("transformers generate", "prompt lookup, k = 2"):
+        got = runs[name](prompt)[0]
+        assert torch.equal(got, greedy), f"{name} wrote {got.tolist()}, the greedy answer is {greedy.tolist()}"
+
+
+def test_packages_naming_a_plain_module_is_refused_in_one_line(tmp_path, monkeypatch):
+    (tmp_path / "plain_module.py").write_text(documented("alpha"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError) as refused:
+        real.package_requests(["plain_module"])
+    message = str(refused.value)
+    assert message.startswith("--packages: 'plain_module' is not an installed package") and "\n" not in message, \
+        f"--packages naming a module file: {message!r}"
+
+
+def test_a_request_asked_twice_is_kept_once_so_none_is_both_trained_and_held_out(tmp_path, monkeypatch):
+    """One docstring in two classes of alpha and in beta asks one request, kept once, as alpha's (the first file);
+    whatever modules are held out, no request is both a held-out and a training one."""
+    shared = "class One:\n" + documented("shared", indent="    ") + "class Two:\n" + documented("shared", indent="    ")
+    requests_of_stdlib(tmp_path, monkeypatch, {"alpha.py": shared + documented("first"),
+                                               "beta.py": documented("shared") + documented("second"),
+                                               "gamma.py": documented("third")})
+    requests = real.stdlib_requests()
+    texts = [r for _, r in requests]
+    assert len(texts) == len(set(texts)) == 4, f"{len(texts)} requests, {len(set(texts))} of them distinct"
+    assert [m for m, r in requests if "def shared(" in r] == ["alpha"], requests
+    for seed in range(20):
+        held = real.held_out_modules(requests, 2, seed)
+        both = {r for m, r in requests if m in held} & {r for m, r in requests if m not in held}
+        assert not both, f"seed {seed}, held-out modules {sorted(held)}: {len(both)} requests both held out and trained"
+
+
+def test_wall_prompts_0_is_refused_by_the_flag_check_before_any_training(tmp_path, monkeypatch):
+    monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
+    monkeypatch.setattr(real, "baselines", lambda *a: pytest.fail("the baselines started"))
+    for extra in ([], ["--baselines"]):
+        with pytest.raises(ValueError, match=r"^--wall-prompts \(0\) must be >= 1$"):
+            real.main(real.parse_args(["--wall-prompts", "0", "--out-dir", str(tmp_path / "out"), *extra]))
+    assert not (tmp_path / "out").exists(), "the out dir was created by a run refused on --wall-prompts 0"
+
+
+def test_the_baselines_time_the_held_out_modules_requests(monkeypatch):
+    """--baselines times the first --wall-prompts requests of the held-out modules, those real_world holds out
+    (and the drafter is timed on), in their order, and none of a training module; then HumanEval's first."""
+    from types import SimpleNamespace
+    import harness.target
+    requests = [(m, f"request {j} of {m}") for j in range(2) for m in ("alpha", "beta", "gamma", "delta", "epsilon")]
+    monkeypatch.setattr(real, "package_file", lambda package, name: "target.gguf")
+    monkeypatch.setattr(harness.target, "load_tokenizer", lambda path: SimpleNamespace(eos_token_id=0))
+    monkeypatch.setattr(harness.target, "load_target", lambda path, dtype, device: None)
+    monkeypatch.setattr(real, "stdlib_requests", lambda: requests)
+    monkeypatch.setattr(real, "humaneval_prompts", lambda: [(f"HumanEval/{i}", f"problem {i}") for i in range(5)])
+    monkeypatch.setattr(real, "chat_prompt", lambda tokenizer, text: text)
+    monkeypatch.setattr(real, "wall_clock", lambda drafter, target, prompts, *a, **k: {"prompts": prompts})
+    args = real.parse_args(["--baselines", "--wall-prompts", "3", "--held-out-rows", "4"])
+    timed = {where: w["prompts"] for where, w in real.baselines(args, log=lambda *a: None).items()}
+    held = real.held_out_modules(requests, 4)
+    want = {"held-out modules": [r for m, r in requests if m in held][:3],
+            "HumanEval": ["problem 0", "problem 1", "problem 2"]}
+    trained = set(timed["held-out modules"]) & {r for m, r in requests if m not in held}
+    assert not trained, f"--baselines timed the training modules' requests {sorted(trained)}"
+    assert timed == want, f"--baselines timed {timed}, want {want}"

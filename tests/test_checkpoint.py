@@ -718,3 +718,17 @@ def test_the_export_job_refuses_an_export_of_another_targets_shape(tmp_path, tar
         export_job("--target", target_folders[other], "--out", tmp_path / "out", "--from", saved_checkpoint)
     assert str(refused.value).startswith(f"the drafter has {differs}"), f"--from onto a target {other}: {refused.value}"
     assert not (tmp_path / "out").exists(), f"--from onto a target {other}: wrote {list((tmp_path / 'out').iterdir())}"
+
+
+@pytest.mark.parametrize("shape, differs", [(dict(hidden_size=64), "hidden_size 32 but the target has 64"),
+                                            (dict(vocab_size=48), "vocab_size 32 but the target has 48")])
+def test_init_from_an_export_of_another_targets_width_or_vocabulary_is_refused_in_one_line(target, saved_checkpoint,
+                                                                                           shape, differs):
+    """--init-from an export whose target has this one's layer count but another width or vocabulary: the drafter
+    train.py would build from it is refused, in one line naming the field, from the target's config alone."""
+    other = transformers.Qwen3Config(**{**target.config.to_dict(), **shape})
+    with pytest.raises(ValueError) as refused:
+        checkpoint.build_drafter(other, None, {}, init_from=str(saved_checkpoint), log=lambda *a: None)
+    message = str(refused.value)
+    assert message.startswith(f"the drafter has {differs}") and "\n" not in message, \
+        f"--init-from onto a target with {shape}: {message!r}"

@@ -382,3 +382,20 @@ def test_memory_script_exits_with_one_line():
     assert done.returncode != 0 and done.stderr.strip().splitlines() == [
         "harness.memory: the memory plan reads the target's config: name one with --target (a model folder, hub id or "
         ".gguf file); the offline demo's tiny target needs no plan"], done.stderr
+
+
+def test_memory_script_prints_the_recomputing_plan_with_grad_checkpoint(tmp_path):
+    """--grad-checkpoint prints memory_plan's recomputing plan of the same shape, with its recomputed layer's line;
+    its peak is not the plain plan's."""
+    qwen3_config(**SMALL).save_pretrained(tmp_path)
+    runs = {}
+    for flags in ([], ["--grad-checkpoint"]):
+        lines = []
+        plan = memory.main(memory.parse_args(["--target", str(tmp_path), *SHAPE, *flags]), lines.append)
+        runs[" ".join(flags) or "plain"] = plan, "\n".join(lines)
+    want = memory.memory_plan(load_config(str(tmp_path)), 64, 8, 2, "train", True, 80.0, num_layers=2, block_size=4,
+                              conv_kernel_size=2, selector_top_k=16, selector_rank=256, selector_codebooks="free")
+    (got, printed), (plain, _) = runs["--grad-checkpoint"], runs["plain"]
+    assert got == want, f"--grad-checkpoint printed the plan {got}, the recomputing plan of its shape is {want}"
+    assert got["peak"] != plain["peak"], f"with and without --grad-checkpoint the plan peaks at {got['peak']} bytes"
+    assert "grad checkpoint on" in printed and "one layer recomputed" in printed, f"--grad-checkpoint printed {printed}"

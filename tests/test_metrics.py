@@ -230,3 +230,24 @@ def test_the_end_of_run_decoding_verifies_the_draft_length_asked(decoding, monke
         assert [asked for asked, _ in seen] == [n, n], f"draft_tokens {n}: spec_generate was asked {seen}"
         limit = (n or drafter.config.block_size - 1) + 1
         assert all(longest <= limit for _, longest in seen), f"draft_tokens {n}: cycles committed {seen}"
+
+
+def test_the_evaluation_decodes_with_the_draft_length_asked():
+    """A target and a selector-off drafter whose logits are all 0 (lm_head zeroed): at T = 0 every draft is the
+    argmax, at T = 1 the drafts' law is the target's, so every draft is accepted and each cycle commits the drafts
+    verified and a bonus. evaluate(draft_tokens=n) then reports AL n + 1 at T = 0 and at T = 1, not B's."""
+    import datasets
+    from conftest import tiny_drafter, tiny_qwen3
+    from harness.metrics import evaluate
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    target.lm_head.weight.zero_()
+    drafter = tiny_drafter(target, dtype=torch.float32, block_size=8, selector_top_k=0)
+    val = datasets.Dataset.from_dict({"input_ids": [[3, 5, 7, 9, 11, 2], [4, 6, 8, 10]],
+                                      "loss_mask": [[0, 0, 0, 1, 1, 1], [0, 0, 1, 1]]}).with_format("torch")
+    tokenizer = SimpleNamespace(pad_token_id=0, eos_token_id=-1, decode=lambda ids: ids.tolist())
+    n = 2
+    summary = evaluate(drafter, target, tokenizer, val, LossConfig(), 2, 4, 0, log=lambda *a: None, prompts=2,
+                       max_new_tokens=1 + 3 * (n + 1), draft_tokens=n)
+    got = {"T = 0": summary["al_t0"], "T = 1": summary["al_t1"]}
+    assert got == {"T = 0": n + 1, "T = 1": n + 1}, \
+        f"evaluate(draft_tokens={n}) with every draft accepted reports AL {got}, want {n + 1} (B = 8)"

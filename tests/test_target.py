@@ -627,3 +627,20 @@ def test_the_decoding_views_logits_are_the_targets_own(case):
     error = float((got.double() - want).abs().max() / want.abs().max())
     assert error < 1e-2 if case.startswith("bf16") else error < 1e-5, \
         f"{case}: the decoding view's logits differ from the target's by {error:.3g} (relative)"
+
+
+def test_one_residual_stream_a_layer_is_a_plain_residual_not_a_hyper_connection():
+    """hc_mult or hc_count 1 counts one residual stream a layer, a plain residual: the drafter is built as without
+    the field; 2 streams are refused by name."""
+    plain = target.drafter_config(qwen3_config(), mask_token_id=95)
+    for field in target.HYPER_CONNECTION_FIELDS:
+        config = qwen3_config()
+        setattr(config, field, 1)
+        try:
+            c = target.drafter_config(config, mask_token_id=95)
+        except ValueError as refused:
+            pytest.fail(f"a target with {field} = 1 (one residual stream) was refused: {refused}")
+        assert c == plain, f"{field} = 1 built {c}, without the field {plain}"
+        setattr(config, field, 2)
+        with pytest.raises(ValueError, match=f"hyper-connections \\({{'{field}': 2}}\\)"):
+            target.drafter_config(config, mask_token_id=95)

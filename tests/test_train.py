@@ -1181,3 +1181,33 @@ def test_held_out_prompts_end_before_the_first_answer_token(world, accumulated_r
             assert g == w, f"T = {T}, prompt {k}: {tokenizer.decode(g[-12:])!r} ends the decoded prompt " \
                 f"({len(g)} tokens), the generation prompt ends {tokenizer.decode(w[-12:])!r} ({len(w)} tokens)"
         assert len(got) == len(want), f"T = {T}: {len(got)} prompts decoded, {len(want)} held out"
+
+
+class TargetNotLoaded(Exception):
+    """Raised where a run would load the target's weights: a test of its setup stops there."""
+
+
+def stop_before_the_target_loads(*args, **kwargs):
+    raise TargetNotLoaded
+
+
+@pytest.mark.parametrize("taps", [0, 3])
+def test_the_conv_kernel_size_flag_reaches_the_drafter_a_run_trains(world, tmp_path, monkeypatch, taps):
+    """--conv-kernel-size 0 builds the drafter the run trains and exports without the convolution (bench.ablation's
+    DFlash and +selector rows), 3 with three taps on both sides of each sublayer; the run stops where the target's
+    weights would load."""
+    built, build = [], checkpoint.build_drafter
+
+    def recording(*args, **kwargs):
+        built.append(build(*args, **kwargs))
+        return built[-1]
+    monkeypatch.setattr(checkpoint, "build_drafter", recording)
+    monkeypatch.setattr(train, "load_checked_target", stop_before_the_target_loads)
+    with pytest.raises(TargetNotLoaded):
+        train.train(args_for(world, tmp_path / "out", "--conv-kernel-size", str(taps)))
+    (drafter,) = built
+    convs = [conv for layer in drafter.layers for conv in (layer.attention_conv, layer.mlp_conv)]
+    taps_built = [None if conv is None else conv.base_kernel.shape[1] for conv in convs]
+    assert drafter.config.conv_kernel_size == taps and taps_built == [taps or None] * len(convs), \
+        f"--conv-kernel-size {taps}: the drafter has conv_kernel_size {drafter.config.conv_kernel_size} and " \
+        f"convolutions of {taps_built} taps"
