@@ -418,6 +418,9 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run of the same path")
     p.add_argument("--baselines", action="store_true", help="only the wall clock of what a user runs without a "
                    "drafter (transformers' generate, its prompt lookup, target_generate) on the drafter's prompts")
+    p.add_argument("--decoding-dtypes", action="store_true", help="only what verifying costs in float32 and bf16 "
+                   "(a k-token target forward, k = 1 ... DECODE_BLOCK) and whether bf16 verification keeps the "
+                   "target's greedy tokens, on --wall-prompts HumanEval prompts")
     p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="where the real world is built and cached")
@@ -530,6 +533,79 @@ def baselines(args, log=print):
             for where, texts in sets.items()}
 
 
+DECODE_BLOCK = 8  # the k-token forwards timed: a verification of B = 8 drafted slots is at most 8 tokens
+DECODE_CONTEXT = 200  # tokens in the target's cache before each timed forward
+
+
+@torch.no_grad()
+def verification_costs(targets, rounds, generator):
+    """Milliseconds of a k-token forward of each target after DECODE_CONTEXT cached tokens (k = 1 ... DECODE_BLOCK,
+    the cache cropped back after each), dtypes and k interleaved round by round: medians. -> {dtype: {k: ms}}."""
+    vocab = min(target.config.vocab_size for target in targets.values())
+    ids = lambda n: torch.randint(0, vocab, (1, n), generator=generator)
+    caches, ms = {}, {dtype: {k: [] for k in range(1, DECODE_BLOCK + 1)} for dtype in targets}
+    for dtype, target in targets.items():
+        caches[dtype] = dflash2.target_cache(target)
+        target(ids(DECODE_CONTEXT), cache=caches[dtype], use_cache=True)
+    for _ in range(rounds + 1):  # the first round warms up
+        for k in range(1, DECODE_BLOCK + 1):
+            for dtype, target in targets.items():
+                x, t0 = ids(k), time.perf_counter()
+                target(x, cache=caches[dtype], use_cache=True)
+                ms[dtype][k].append(1e3 * (time.perf_counter() - t0))
+                caches[dtype].crop(-k)
+    return {dtype: {k: median(v[1:]) for k, v in by_k.items()} for dtype, by_k in ms.items()}
+
+
+@torch.no_grad()
+def verified_greedy_flips(target, prompts, max_new_tokens, stop_id, k=DECODE_BLOCK):
+    """How often verification disagrees with the target's own greedy decoding: target_generate's tokens (one
+    forward a token) read again k at a time, as a verification that accepts every draft reads them; a position
+    whose argmax differs is one where spec_generate could not equal target_generate. -> (flips, positions)."""
+    flips = positions = 0
+    for ids in prompts:
+        out, _ = dflash2.target_generate(target, ids, max_new_tokens, stop_token_ids=[stop_id])
+        tokens, cache = torch.cat([ids[0], out]), dflash2.target_cache(target)
+        picks = [int(target(ids, cache=cache, use_cache=True).logits[0, -1].argmax())]
+        for start in range(ids.shape[1], len(tokens) - 1, k):
+            chunk = tokens[start:min(start + k, len(tokens) - 1)][None]
+            picks += target(chunk, cache=cache, use_cache=True).logits[0].argmax(-1).tolist()
+        flips += sum(int(a != b) for a, b in zip(picks, out.tolist(), strict=True))
+        positions += len(out)
+    return flips, positions
+
+
+def decoding_dtypes(args, log=print):
+    """The target (float32 and bf16, dequantized from the same GGUF file): verification_costs over 7 rounds and
+    verified_greedy_flips on the first --wall-prompts HumanEval prompts, whole answers (<= --eval-tokens)."""
+    from harness.target import load_target, load_tokenizer
+    target_path = package_file(*GGUF)
+    tokenizer = load_tokenizer(target_path)
+    targets = {dtype: load_target(target_path, dtype, torch.device("cpu")) for dtype in ("float32", "bfloat16")}
+    prompts = [chat_prompt(tokenizer, text) for _, text in humaneval_prompts()[:args.wall_prompts]]
+    costs = verification_costs(targets, 3 if args.quick else 7, torch.Generator().manual_seed(0))
+    flips = {dtype: verified_greedy_flips(target, prompts, args.eval_tokens, tokenizer.eos_token_id)
+             for dtype, target in targets.items()}
+    log(f"decoding dtypes: greedy flips under {DECODE_BLOCK}-token verification {flips}")
+    return {"costs_ms": costs, "greedy_flips": flips, "prompts": len(prompts), "cpu": platform.processor(),
+            "threads": torch.get_num_threads(), "amx": torch.cpu._is_amx_tile_supported(),
+            "avx512_bf16": torch.cpu._is_avx512_bf16_supported()}
+
+
+def decoding_dtypes_markdown(r):
+    f32, bf16 = r["costs_ms"]["float32"], r["costs_ms"]["bfloat16"]
+    lines = [f"A k-token forward of {GGUF[1]} after {DECODE_CONTEXT} cached tokens ({r['threads']} threads, AMX "
+             f"{r['amx']}, AVX512-BF16 {r['avx512_bf16']}), medians of interleaved rounds", "",
+             "| k | float32 ms | bf16 ms | float32 / its k = 1 | bf16 / its k = 1 | float32 / bf16 |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {k} | {f32[k]:.1f} | {bf16[k]:.1f} | {f32[k] / f32[1]:.2f} | {bf16[k] / bf16[1]:.2f} | "
+              f"{f32[k] / bf16[k]:.2f} |" for k in f32]
+    lines += ["", f"Greedy tokens whose argmax differs when read {DECODE_BLOCK} at a time, as verification reads "
+              f"them ({r['prompts']} HumanEval prompts, whole answers): " +
+              ", ".join(f"{dtype} {n} of {total}" for dtype, (n, total) in r["greedy_flips"].items())]
+    return "\n".join(lines)
+
+
 def check_held_out_rows(val_prompts, held_out_prompts):
     """The validation rows' prompts (1, P) must be the held-out requests' chat prompts, one for one:
     a row of the world dropped by data loading would shift a training row into validation."""
@@ -577,6 +653,10 @@ def main(args):
     check_args(args)
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
+    if args.decoding_dtypes:
+        results = decoding_dtypes(args)
+        results["wall_seconds"] = time.time() - t0
+        return write_results(args.out_dir, "decoding_dtypes", results, decoding_dtypes_markdown(results))
     if args.baselines:
         results = {"target": GGUF[1], "baselines": baselines(args)}
         results["wall_seconds"] = time.time() - t0

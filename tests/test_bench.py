@@ -1034,3 +1034,43 @@ def test_the_baselines_time_the_held_out_modules_requests(monkeypatch):
     trained = set(timed["held-out modules"]) & {r for m, r in requests if m not in held}
     assert not trained, f"--baselines timed the training modules' requests {sorted(trained)}"
     assert timed == want, f"--baselines timed {timed}, want {want}"
+
+
+class WidthDependentRounding(torch.nn.Module):
+    """A target whose forwards of several tokens after a cached prefix raise token 0's logit by 100: a rounding
+    that depends on the width of the forward, as bf16 products may, taken to the extreme."""
+    def __init__(self, model):
+        super().__init__()
+        self.model, self.config = model, model.config
+
+    def forward(self, input_ids, cache=None, **kw):
+        cached = cache.get_seq_length() if cache is not None else 0
+        out = self.model(input_ids, cache=cache, **kw)
+        if cached and input_ids.shape[1] > 1:
+            out.logits[..., 0] += 100
+        return out
+
+
+def test_verified_greedy_flips_count_the_tokens_a_k_token_forward_reads_otherwise():
+    """A float64 target reads its own greedy tokens the same k at a time: no flip, every generated token counted.
+    A target whose wider forwards favour token 0 flips exactly the tokens read in a chunk of two or more (the first
+    comes from the prompt's forward) that are not 0 already."""
+    k, n, stop = 4, 11, 63
+    target, prompts = tiny_qwen3(64, lm_head_scale=4.0), [torch.tensor([[1, 2, 3]]), torch.tensor([[5, 9]])]
+    outs = [dflash2.target_generate(target, p, n, stop_token_ids=[stop])[0].tolist() for p in prompts]
+    assert real.verified_greedy_flips(target, prompts, n, stop, k) == (0, sum(map(len, outs))), \
+        "a float64 target's greedy tokens read k at a time should all be its own picks"
+    want = 0
+    for out in outs:
+        for i in range(1, len(out)):  # token i is read by the chunk holding tokens i-1 ... of width:
+            width = min(k, len(out) - 1 - k * ((i - 1) // k))
+            want += width > 1 and out[i] != 0
+    got = real.verified_greedy_flips(WidthDependentRounding(target), prompts, n, stop, k)
+    assert want > 0 and got == (want, sum(map(len, outs))), f"flips {got}, want ({want}, {sum(map(len, outs))})"
+
+
+def test_verification_costs_time_every_width_of_every_target():
+    targets = {"float64": tiny_qwen3(64), "float32": tiny_qwen3(64, dtype=torch.float32)}
+    costs = real.verification_costs(targets, 1, torch.Generator().manual_seed(0))
+    assert {d: sorted(c) for d, c in costs.items()} == {d: list(range(1, real.DECODE_BLOCK + 1)) for d in targets} \
+        and all(ms > 0 for c in costs.values() for ms in c.values()), costs
