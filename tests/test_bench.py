@@ -594,7 +594,7 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
     cycles that accept each draft position), its cycles never commit more than draft length + 1 tokens,
     and the break-even AL is the cycle over the plain step. A spec_generate output that differs stops the
     run with the prompt's index; a transformers decoder that differs is counted."""
-    from conftest import tiny_drafter
+    from tests.conftest import tiny_drafter
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
@@ -664,7 +664,7 @@ def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkey
     """On a clock where a target forward takes one second per token it reads (so a 4-token
     prefill takes 4), the plain step wall_clock reports is one second: the decoding forwards it
     timed, over their number, the prefill left out of both."""
-    from conftest import tiny_drafter
+    from tests.conftest import tiny_drafter
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     clock = [0.0]

@@ -19,7 +19,8 @@ import torch
 import transformers
 
 from harness import checkpoint
-from conftest import tiny_drafter, tiny_qwen3
+from conftest import tiny_qwen3
+from tests.conftest import tiny_drafter
 from dflash2 import DFlash2Drafter, context_features, spec_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -16,7 +16,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2
 from harness import checkpoint, memory
-from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
+from conftest import chi_square_pvalue, replace_q, tiny_qwen3
+from tests.conftest import tiny_drafter
 from harness.target import drafter_config
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

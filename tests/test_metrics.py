@@ -1,6 +1,6 @@
 """Tests of harness/metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
 slots, against loops over the counted slots, on test_dflash2.py's tiny random target, drafter, batch
-and loop references, and the end-of-run decoding; nothing is downloaded.
+and loop references (conftest.py's), and the end-of-run decoding; nothing is downloaded.
 Run: python -m pytest tests/test_metrics.py -q
 """
 from types import SimpleNamespace
@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-from conftest import argmax_loop
+from conftest import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, argmax_loop, counted_slots, echo_forward,
+                      float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
+                      ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
 from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
 from harness.metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
-from test_dflash2 import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
-                          float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
-                          ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
