@@ -578,12 +578,20 @@ def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_ch
 
 
 def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
+    """The refused fields at the values that ask for nothing dflash2.py lacks load as the export without them:
+    the same config, field by field, and the same tensors."""
     path = tmp_path / "ckpt"
     shutil.copytree(saved_checkpoint, path)
     plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
              "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
     edit_config(path, lambda c: c.update(plain))
-    checkpoint.load_export(path)
+    got, want = checkpoint.load_export(path), checkpoint.load_export(saved_checkpoint)
+    fields, base = dataclasses.asdict(got.config), dataclasses.asdict(want.config)
+    assert fields == base, f"with {plain} the config loads {({k: v for k, v in fields.items() if base[k] != v})}, " \
+        f"without them {({k: v for k, v in base.items() if fields[k] != v})}"
+    state, saved = got.state_dict(), want.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved), \
+        f"with {plain} the tensors {sorted(state)} load otherwise than {sorted(saved)}"
 
 
 def test_a_z_lab_config_with_the_view_fields_at_its_top_level_loads_them(tmp_path, saved_checkpoint):
