@@ -12,7 +12,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import datasets
 import pytest
 import torch
 import transformers
@@ -23,41 +22,17 @@ import train
 from harness import checkpoint, data, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
-from conftest import plain_greedy, tiny_qwen3
+from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 from harness.target import drafter_config
+from tests.conftest import CONVERSATION, save_tiny_target, write_jsonl
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
-                {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
-
-
-def save_tiny_target(path, tokenizer, vocab_size=None):
-    """A random float32 Qwen3 for `tokenizer` (4 layers, hidden 64; an embedding table of vocab_size rows, default
-    len(tokenizer)) and the tokenizer, saved as a model folder."""
-    tiny_qwen3(vocab_size or len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32,
-               tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-               eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
 
 
 def records(out, kind):
     """A run's record lines of one kind ("train" or "eval")."""
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
-
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("world")
-    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
-    return {"root": root, "target": save_tiny_target(root / "target", tiny_world.build_tiny_tokenizer()),
-            "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
 
 
 SELECTOR_RANK_8 = '{"selector_rank": 8}'
@@ -242,29 +217,6 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
         assert_bf16_table(table, want, side)
 
 
-def export_job(world, out, *extra):
-    """python -m harness.checkpoint on the test target: its export in `out` -> what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        checkpoint.main(checkpoint.parse_args(["--target", world["target"], "--out", str(out), *extra]))
-    return printed.getvalue()
-
-
-def test_speculators_export_names_the_target_and_init_from_reads_it_back(world, tmp_path):
-    """checkpoint.py --format speculators: config.json names --target as the verifier (vLLM serves the
-    folder alone), the job prints that command, and --init-from reads the export back."""
-    out = tmp_path / "dry"
-    printed = export_job(world, out, "--num-layers", "1", "--format", "speculators")
-    config = json.loads((out / "config.json").read_text())
-    verifier = config["speculators_config"]["verifier"]
-    assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
-        f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
-    assert f"vllm serve {out.absolute()}\n" in printed, printed
-    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out)))
-    c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
-    assert c.num_layers == 1, f"--init-from a speculators export trained {c}"
-
-
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = dflash2.loss_from_sums, []
 
@@ -382,14 +334,6 @@ BAD_DATA = {  # name -> (file name, file text, what the message must say)
     "unknown role": ("u.jsonl", json.dumps({"messages": [CONVERSATION[0], {"role": "bot", "content": "x"}]}) + "\n",
                      r"u.jsonl: line 1: messages\[1\].role: unknown role 'bot'"),
 }
-
-
-@pytest.fixture
-def no_target_load(monkeypatch):
-    """Data errors must surface before the target's weights load: loading them is an error here."""
-    def refuse(*a, **k):
-        raise AssertionError("the target's weights were loaded before the data was checked")
-    monkeypatch.setattr(train.transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_DATA)
@@ -543,86 +487,6 @@ def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 
 
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--top-k", "1"]])
-def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampling):
-    """Greedy, and sampled at top-k 1 (the flags reach the sampler: unfiltered, T = 1 draws others)."""
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
-    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", data, "--out",
-                                                         str(tmp_path / "out.jsonl"), "--max-new-tokens", "12",
-                                                         *sampling]),
-                           log=lambda *a: None)
-    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    tokenizer = target_module.load_tokenizer(world["target"], None)
-    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
-    want, _ = plain_greedy(model, tokenizer, CONVERSATION[:1], 12)
-    assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
-                                  for r in rows), f"regenerated {rows} ({sampling}), the target's greedy answer is " \
-                                                  f"{want!r}"
-
-
-def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatch):
-    """--data-split reaches the regeneration itself, not only the check before the weights load:
-    a hub dataset's "validation" rows are the ones regenerated."""
-    splits = {name: [{"messages": [{"role": "user", "content": f"{name} prompt {i}"}]} for i in range(2)]
-              for name in ("train", "validation")}
-    asked = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append(split) or splits[split])
-    out = tmp_path / "out.jsonl"
-    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", "someone/chats",
-                                                         "--data-split", "validation", "--out", str(out),
-                                                         "--max-new-tokens", "2"]),
-                           log=lambda *a: None)
-    prompts = [json.loads(line)["messages"][0]["content"] for line in out.read_text().split("\n")[:-1]]
-    assert prompts == ["validation prompt 0", "validation prompt 1"], f"regenerated {prompts} (splits read: {asked})"
-    assert set(asked) == {"validation"}, f"splits read: {asked}"
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--out", None], "needs --target (who answers), --data (the conversations) and --out"),
-    (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
-    (["--temperature", "-1"], "temperature (-1.0) must be a finite number >= 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
-    (["--chat-template-kwargs", "{nope"], "--chat-template-kwargs"),
-])
-def test_regenerate_refuses_bad_flags_before_the_target_loads(world, tmp_path, monkeypatch, flags, message):
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}])
-    monkeypatch.setattr(regenerate_module, "load_target", lambda *a: pytest.fail("the target loaded"))
-    argv = ["--target", world["target"], "--data", data, "--out", str(tmp_path / "out.jsonl")]
-    if flags[1] is None:
-        argv = argv[:argv.index(flags[0])]
-    else:
-        argv += flags
-    with pytest.raises(ValueError, match=re.escape(message)):
-        regenerate_module.main(regenerate_module.parse_args(argv), log=lambda *a: None)
-    assert not (tmp_path / "out.jsonl").exists()
-
-
-def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkeypatch):
-    """At T > 0 every draw takes a generator (seeded from --seed): two runs with the same seed
-    write the same file, another seed writes another."""
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 3)
-    sample, generators = regenerate_module.dflash2.sample, []
-
-    def recording(logits, temperature, top_p=1.0, top_k=0, generator=None):
-        generators.append(generator)
-        return sample(logits, temperature, top_p, top_k, generator)
-
-    monkeypatch.setattr(regenerate_module.dflash2, "sample", recording)
-
-    def run(name, seed):
-        torch.manual_seed(len(generators))  # the global generator differs between runs: it must not be the one used
-        regenerate_module.main(regenerate_module.parse_args(
-            ["--target", world["target"], "--data", data, "--out", str(tmp_path / name), "--max-new-tokens", "12",
-             "--temperature", "1", "--batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
-        return (tmp_path / name).read_text()
-
-    first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
-    assert generators and all(isinstance(g, torch.Generator) for g in generators), \
-        f"the sampler got {set(map(type, generators))}, not a torch.Generator on every draw"
-    assert first == again, f"--seed 3 twice, different answers:\n{first}\n{again}"
-    assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
-
-
 def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world):
     """On a GPU, train.py plans its run for the device's memory (the target's config is enough): a batch that fits
     trains plainly, one that fits only with each draft layer recomputed in backward recomputes (and says so), one
@@ -640,25 +504,6 @@ def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world
     with pytest.raises(ValueError, match=r"^batch size 3 needs about [0-9.]+ GiB per GPU, more than the GPU's "
                                          r"[0-9.e-]+ GiB; (--batch-size [12] fits|not even one sequence fits)"):
         memory.fitting_plan(*shape, fields, recomputed * 0.999)
-
-
-def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_target_load):
-    """checkpoint.py without --from reads the target's config and tokenizer only (no weights) and writes
-    the export of the drafter shape the flags ask for, which loads back with that shape; it
-    prints each engine's command with this export's path and block size (vLLM: B - 1)."""
-    out = tmp_path / "dry"
-    printed = export_job(world, out, "--block-size", "6", "--num-layers", "1", "--drafter-config", SELECTOR_RANK_8)
-    drafter = checkpoint.load_export(out)
-    target = AutoConfig.from_pretrained(world["target"])
-    c = drafter.config
-    assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
-        (6, 1, 8, target.hidden_size, target.num_hidden_layers), f"exported shape {c}"
-    path = str(out.absolute())
-    for engine, count in (("vllm serve", '"num_speculative_tokens": 5'), ("sglang.launch_server",
-                                                                         "--speculative-num-draft-tokens 6"),
-                          ("dflash generate", "--draft")):
-        line = next((l for l in printed.splitlines() if engine in l), "")
-        assert path in line and count in line, f"{engine}: {line!r} lacks {path} or {count}\n{printed}"
 
 
 # -----------------------------------------------------------------------------
@@ -997,28 +842,6 @@ def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world
         table, want = exported[f"candidate_selector.{side}_codebook"].double(), \
             W_in @ state[f"candidate_selector.{side}_projection.weight"].double().T
         assert_bf16_table(table, want, side)
-
-
-def test_an_untrained_factored_export_is_loadable(world, tmp_path, no_target_load):
-    """The untrained export with factored codebooks: no target weights to build the tables from, so it
-    holds free tables at their init (a zero successor codebook: the untrained selector's scores)."""
-    out = tmp_path / "dry"
-    export_job(world, out, "--num-layers", "1", "--drafter-config", FACTORED)
-    drafter = checkpoint.load_export(out)
-    c, target = drafter.config, AutoConfig.from_pretrained(world["target"])
-    assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
-    successor = drafter.state_dict()["candidate_selector.successor_codebook"]
-    assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
-
-
-def test_a_sliding_window_export_has_the_layer_types_asked_for(world, tmp_path, no_target_load):
-    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
-    window = json.dumps({"sliding_window": 64, "layer_types": layer_types})
-    export_job(world, tmp_path / "dry", "--num-layers", "3", "--drafter-config", window)
-    c = checkpoint.load_export(tmp_path / "dry").config
-    assert (c.layer_types, c.sliding_window) == (layer_types, 64), c
-    with pytest.raises(ValueError, match=r"layer_types has 3 entries for num_layers = 2"):
-        export_job(world, tmp_path / "bad", "--num-layers", "2", "--drafter-config", window)
 
 
 def test_training_stops_on_a_target_whose_forward_the_drafter_does_not_follow(world, tmp_path, monkeypatch):
