@@ -237,8 +237,8 @@ def test_training_functions_refuse_bad_arguments(target, batch):
                                                               r"selector_labels='soft'"),
                         (dict(selector_labels="soft", soft_labels_at=(0.0, 0.9, 20)),
                          r"soft_labels_at \(0.0, 0.9, 20\): temperature must be > 0"),
-                        (dict(accept_at=(1.0, 0.0, 20)), r"accept_at \(1.0, 0.0, 20\): top_p \(0.0\) must be in \(0, 1\]"),
-                        (dict(accept_at=(1.0, 1.0, 2.5)), r"accept_at \(1.0, 1.0, 2.5\): top_k \(2.5\) must be an integer")):
+                        (dict(selector_labels="soft", soft_labels_at=(1.0, 1.0, 2.5)),
+                         r"soft_labels_at \(1.0, 1.0, 2.5\): top_k \(2.5\) must be an integer")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):

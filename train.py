@@ -148,13 +148,12 @@ def step_inputs(target, tokens, layer_ids, max_anchors, seeds, features=None, ro
             features.features(target, ids, attn, rows))
     return dflash2.Batch(ids, attn, loss_mask, f, g, *data.row_anchors(loss_mask, max_anchors, seeds))
 
-def loss_config(args, vocab_size, accept_at=None):
+def loss_config(args, vocab_size):
     """The loss flags as dflash2.LossConfig (checked once), its chunk memory.train_loss_chunk's at the target's
-    vocabulary; accept_at: the acceptance metrics' setting."""
+    vocabulary."""
     labels, soft_labels_at = args.selector_labels
     return dflash2.LossConfig(loss_type=args.loss, gamma=GAMMA, alpha=ALPHA, selector_labels=labels,
-                              soft_labels_at=soft_labels_at, accept_at=accept_at,
-                              chunk_size=memory.train_loss_chunk(vocab_size))
+                              soft_labels_at=soft_labels_at, chunk_size=memory.train_loss_chunk(vocab_size))
 
 def compiled_loss(device, log):
     """dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count) where the device

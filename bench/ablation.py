@@ -164,10 +164,10 @@ def target_entropy(target, rows, setting):
 
 
 @torch.no_grad()
-def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None):
+def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=(1.0, 1.0, 0)):
     """train.py's validation metrics averaged over blocks (not batches), on at least
     min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
-    metrics at the sampling setting accept_at (None: T = 1, no filter)."""
+    metrics at the sampling setting accept_at (T = 1, no filter, unless given)."""
     import train
     from harness.data import collate
     total, n_blocks, rounds = {}, 0, 0
@@ -177,10 +177,10 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
             inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, targs.max_anchors, seeds)
             n = int(inputs.anchor_valid.sum())  # the blocks the loss draws
-            cfg = train.loss_config(targs, drafter.config.vocab_size, accept_at)
+            cfg = train.loss_config(targs, drafter.config.vocab_size)
             view = dflash2.target_view(drafter.config, target)
             _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
-            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms)
+            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms, accept_at)
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v

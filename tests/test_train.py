@@ -566,18 +566,18 @@ def test_a_float16_target_runs_the_drafter_step_under_bf16_autocast(world):
     assert abs(got_loss - want_loss) < 0.02 * want_loss, f"float16 target's loss {got_loss} vs float32 {want_loss}"
 
 
-def test_loss_config_carries_the_acceptance_setting_to_the_metrics(world):
-    """loss_config(accept_at=(T, top_p, top_k)) (bench/ablation.py's metrics at the write-up's setting): the step's
+def test_the_step_stats_read_the_acceptance_metrics_at_the_setting_asked(world):
+    """step_stats(accept_at=(T, top_p, top_k)) (bench/ablation.py's metrics at the write-up's setting): the step's
     acceptance metric is then Σ_v min(p_v, q_v) at that setting, p = softmax(z/T) of the target's logits and
     q = softmax(U/T) of the drafter's, averaged over the counted slots; not the T = 1 default's, another number."""
     args, batch, target, drafter = step_inputs(world)
     c = drafter.config
     inputs = train.step_inputs(target, batch, c.target_layer_ids, args.max_anchors, [1, 2, 3])
-    view = dflash2.target_view(c, target)
+    view, cfg = dflash2.target_view(c, target), train.loss_config(args, c.vocab_size)
     with torch.no_grad():
-        _, terms, slots = train.loss_step(drafter, view, target, inputs, train.loss_config(args, c.vocab_size))
-        got = {T: metrics.step_stats(drafter, view, target, slots, train.loss_config(args, c.vocab_size, accept_at=(
-            T, 1.0, 0)), terms)["accept_unary"] for T in (0.25, 1.0)}
+        _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
+        got = {T: metrics.step_stats(drafter, view, target, slots, cfg, terms, (T, 1.0, 0))["accept_unary"]
+               for T in (0.25, 1.0)}
         counted = slots.counted.bool()
         z, U = (target.lm_head(x[counted]).double() for x in (slots.g, slots.h))  # Qwen3: lm_head(h) is its logits
     want = {T: torch.minimum(torch.softmax(z / T, -1), torch.softmax(U / T, -1)).sum(-1).mean().item() for T in got}
