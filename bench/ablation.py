@@ -19,7 +19,7 @@ T = 0.7 / top-p 0.8 / top-k 20 (two more decoding passes of every drafter).
 
 python -m bench.ablation           # 3 seeds × 7 drafters, 64 prompts (over an hour on a 2-core CPU)
 python -m bench.ablation --quick   # a smoke run in about a minute
-Outputs in --out-dir (bench_out): results.json, results.md, per_slot_acceptance.png and,
+Outputs in --out (bench_out): results.json, results.md, per_slot_acceptance.png and,
 after each seed, ablation_so_far.md.
 """
 import argparse
@@ -81,13 +81,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run in about a minute")
-    p.add_argument("--out-dir", default="bench_out", help="where results.json, results.md and the plot go")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where results.json, results.md, the plot "
+                   "and the runs go")
     p.add_argument("--seeds", type=int, default=3, help="training seeds per variant")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=list(DRAFTERS),
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
-    p.add_argument("--steps", type=int, default=None, help="drafter training steps per variant (default: train.py's)")
-    p.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--block-size 16' or "
-                   "'--selector-top-k 64' (the parts' sizes)")
+    p.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--steps 600', "
+                   "'--block-size 16' or '--selector-top-k 64' (the parts' sizes)")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for spec_generate")
     p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
@@ -199,8 +199,7 @@ def ablation(args, settings):
         base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256",
                 "--drafter-config", '{"selector_rank": 16}']
     else:
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS)
-        base = ["--steps", str(args.steps)] if args.steps else []
+        target_path, data_path, base = *tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS), []
     val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
     base = ["--target", target_path, "--data", data_path, "--val-size", str(val_size), *base,
             *shlex.split(args.train_flags)]
@@ -245,9 +244,10 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
         for name in args.drafters:
             out = run_dir(args.out_dir, name, seed)
             resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
-            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume])
+            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume,
+                                                "--decode-prompts", "0"])  # the bench decodes its own prompts
             t0 = time.time()
-            train.train(run_args, decode_prompts=0)  # the bench decodes on its own prompts and settings
+            train.train(run_args)
             train_seconds = time.time() - t0
             paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)

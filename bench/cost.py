@@ -14,7 +14,7 @@ What DFlash2's two parts cost, at real widths with random weights (nothing downl
           unchunked loss, measured in a fresh process and planned by memory.memory_plan.
 
 python -m bench.cost                 # all three parts: bench_out/cost.json, cost.md, memory.png
-python -m bench.cost --parts draft --device cuda --dtype bfloat16
+python -m bench.cost --parts draft --device cuda --draft-dtype bfloat16
 python -m bench.cost --quick         # a smoke run at small shapes
 """
 import argparse
@@ -437,10 +437,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS),
                    help=f"comma-separated subset of: {', '.join(PARTS)}")
-    p.add_argument("--out-dir", default="bench_out", help="where cost.json, cost.md and memory.png go")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where cost.json, cost.md and memory.png go")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device of the draft and training steps (the memory table is the CPU's)")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
+    p.add_argument("--draft-dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=["float32", "bfloat16", "float16"], help="weights of the draft step")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of the draft and training steps (medians)")
     p.add_argument("--train-repeats", type=int, default=3, help="timed rounds of the training steps (medians)")
@@ -470,7 +470,7 @@ def main(args):
     os.makedirs(args.out_dir, exist_ok=True)
     repeats, results, t0 = 1 if args.quick else args.repeats, {}, time.time()
     if "draft" in args.parts:
-        results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.dtype),
+        results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.draft_dtype),
                                       min(args.context, 64) if args.quick else args.context, repeats, args.quick)
     if "train" in args.parts:
         results["train"] = train_part(torch.device(args.device), 1 if args.quick else args.train_repeats, args.quick)

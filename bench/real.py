@@ -418,7 +418,8 @@ def parse_args(argv=None):
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run of the same path")
     p.add_argument("--baselines", action="store_true", help="only the wall clock of what a user runs without a "
                    "drafter (transformers' generate, its prompt lookup, target_generate) on the drafter's prompts")
-    p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
+    p.add_argument("--out", dest="out_dir", default="bench_out/real", help="where results.json, results.md, the "
+                   "plots and the runs go")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="where the real world is built and cached")
     p.add_argument("--train-prompts", type=int, default=0,

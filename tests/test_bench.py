@@ -259,7 +259,7 @@ def test_malformed_settings_exit_naming_the_flag(text, capsys):
 def test_ablation_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     monkeypatch.setattr(ablation, "ablation", lambda *a: pytest.fail("the ablation started"))
     with pytest.raises(ValueError, match=flag[0]):
-        ablation.main(ablation.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+        ablation.main(ablation.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -269,7 +269,7 @@ def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     for part in ("draft_part", "train_part", "memory_table"):
         monkeypatch.setattr(cost, part, lambda *a, **k: pytest.fail("a part started"))
     with pytest.raises(ValueError, match=flag[0]):
-        cost.main(cost.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+        cost.main(cost.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -534,7 +534,7 @@ def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch
     monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
     for flag in (["--train-prompts", "-1"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
         with pytest.raises(ValueError, match=flag[0]):
-            real.main(real.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+            real.main(real.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -686,7 +686,7 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
     out = tmp_path / "bench"
     served = ablation.LABEL_OPTIONS[-1]  # soft labels at the write-up's setting: the most flags of a label option
     drafters = ["DFlash", "+conv", "DFlash2", served]  # no selector, a partial variant, the default, a label option
-    results = ablation.main(ablation.parse_args(["--quick", "--out-dir", str(out), "--cache-dir", cache_dir,
+    results = ablation.main(ablation.parse_args(["--quick", "--out", str(out), "--cache-dir", cache_dir,
                                                  "--drafters", ",".join(drafters)]))
     saved = json.loads((out / "results.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(results["summary"])) and "wall_seconds" in saved, sorted(saved)
@@ -719,8 +719,8 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
 
 def test_cost_quick_runs_end_to_end(tmp_path):
     out = tmp_path / "cost"
-    results = cost.main(cost.parse_args(["--quick", "--parts", "draft,train", "--out-dir", str(out),
-                                         "--device", "cpu", "--dtype", "float32"]))
+    results = cost.main(cost.parse_args(["--quick", "--parts", "draft,train", "--out", str(out),
+                                         "--device", "cpu", "--draft-dtype", "float32"]))
     saved = json.loads((out / "cost.json").read_text())
     assert set(saved) == {"draft", "train", "wall_seconds"}, sorted(saved)
     variants = results["draft"]["variants"]
@@ -740,7 +740,7 @@ def test_cost_quick_runs_end_to_end(tmp_path):
 
 
 def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
-    results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path), "--cache-dir",
+    results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out", str(tmp_path), "--cache-dir",
                                                    cache_dir]))
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(saved) == {"device", "pipeline", "Qwen3-4B", "Qwen3-8B", "draft_step", "seconds"}, sorted(saved)
@@ -766,7 +766,7 @@ def test_gpu_check_records_a_failed_part_and_runs_the_others(tmp_path, monkeypat
         "shape": {"dtype": "float32", "context": 64},
         "variants": {"DFlash": variant, "DFlash2": variant, "walk alone": {"ms": 0.5}}})
     with pytest.raises(SystemExit, match=r"failed: \['pipeline'\]"):
-        gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path)]))
+        gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out", str(tmp_path)]))
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["pipeline"] == {"error": "RuntimeError: no world"} and saved["Qwen3-8B"]["plain"] == step, saved
     out = capsys.readouterr().out

@@ -22,6 +22,8 @@ import train
 from harness import checkpoint, data, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
+from bench import ablation, cost, gpu_check, peer_cycle, real
+from port import golden
 from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 from harness.target import drafter_config
@@ -40,24 +42,18 @@ FACTORED = '{"selector_rank": 8, "selector_codebooks": "factored"}'
 
 
 def flags(world, out, *extra, data=None):
+    """A run's flags: float32 (the same numbers on every CPU), a log line (and a record line) every step, no
+    decoding at the end unless extra asks for it."""
     return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out), "--seq-len", "192",
             "--batch-size", "2", "--max-anchors", "6", "--val-size", "4", "--drafter-config", SELECTOR_RANK_8,
-            "--dtype", "float32", *extra]
-    # float32: the same numbers on every CPU
-
-
-# what every run here sets beyond its flags: a log line (and a record line) every step, 8 new tokens per decoded
-# prompt, and the eager loss (each process would compile it again; the compiled loss is held to the formula in
-# test_dflash2.py and in train.py's step below). Scripts run by torchrun start with it too.
-QUICK = {"LOG_EVERY": 1, "EVAL_NEW_TOKENS": 8}
-QUICK_PRELUDE = "".join(f"train.{k} = {v!r}\n" for k, v in QUICK.items())
+            "--dtype", "float32", "--log-every", "1", "--decode-prompts", "0", *extra]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def quick_runs():
+def eager_loss():
+    """Every run here takes the eager loss (each process would compile it again; the compiled loss is held to the
+    formula in test_dflash2.py and in train.py's step below); scripts run by torchrun inherit it."""
     with pytest.MonkeyPatch.context() as m:
-        for name, value in QUICK.items():
-            m.setattr(train, name, value)
         m.setenv("TORCH_COMPILE_DISABLE", "1")
         yield
 
@@ -73,7 +69,7 @@ def reference_run(world, tmp_path_factory):
     -> its out dir, the summary train() returns, and what it printed."""
     out, printed = tmp_path_factory.mktemp("reference") / "out", io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = train.train(args_for(world, out, "--steps", "4", "--eval-every", "2"))
+        summary = train.train(args_for(world, out, "--steps", "4", "--eval-every", "2", "--decode-prompts", "1"))
     return {"out": out, "summary": summary, "printed": printed.getvalue()}
 
 
@@ -237,7 +233,7 @@ KILLED_AT_STEP_3 = """
 import sys
 sys.path.insert(0, {root!r})
 import train
-{quick}lr_at = train.lr_at
+lr_at = train.lr_at
 def dying(step, *a):  # every rank stops in step 3, before its update: a kill after step 2's checkpoint
     if step == 2:
         raise SystemExit("killed in step 3")
@@ -251,7 +247,7 @@ RUN_TRAIN = """
 import sys
 sys.path.insert(0, {root!r})
 import train
-{quick}train.train(train.parse_args(sys.argv[1:]))
+train.train(train.parse_args(sys.argv[1:]))
 """
 
 
@@ -261,9 +257,9 @@ def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference
     loss is normalised by the weights of the whole global batch). The replicas' agreement:
     test_the_data_parallel_gradient_is_the_whole_batchs."""
     script = tmp_path / "killed.py"
-    script.write_text(KILLED_AT_STEP_3.format(root=HERE, quick=QUICK_PRELUDE))
-    resumed = tmp_path / "resumed.py"  # train.py as a script, with QUICK's settings
-    resumed.write_text(RUN_TRAIN.format(root=HERE, quick=QUICK_PRELUDE))
+    script.write_text(KILLED_AT_STEP_3.format(root=HERE))
+    resumed = tmp_path / "resumed.py"
+    resumed.write_text(RUN_TRAIN.format(root=HERE))
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--eval-every", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
@@ -391,11 +387,21 @@ def test_bad_drafter_configs_are_refused_by_the_parser(value, message, capsys):
     assert message in capsys.readouterr().err
 
 
+class Built(Exception):
+    """parser_of's way out of an entry point once its parser is built."""
+
+
 def parser_of(parse_args):
-    """The ArgumentParser an entry point's parse_args builds (caught as it is asked to parse)."""
+    """The ArgumentParser an entry point's parse_args (or a main that parses first) builds, caught as it is asked
+    to parse."""
     built = []
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: built.append(self))
+
+    def caught(self, *a, **k):
+        built.append(self)
+        raise Built
+
+    with pytest.MonkeyPatch.context() as m, pytest.raises(Built):
+        m.setattr(argparse.ArgumentParser, "parse_args", caught)
         parse_args([])
     return built[0]
 
@@ -413,22 +419,33 @@ def parsed(action):
     return [one(text) for text in FLAG_PROBES]
 
 
-@pytest.mark.parametrize("entry", [memory, checkpoint, regenerate_module], ids=lambda m: m.__name__)
+ENTRY_POINTS = {  # every entry point but train.py: its parser, and what it must share with train.py at least
+    "harness.memory": (memory.parse_args, {"--target", "--seq-len", "--max-anchors", "--batch-size"}),
+    "harness.checkpoint": (checkpoint.parse_args, {"--target", "--num-layers", "--drafter-config"}),
+    "harness.regenerate": (regenerate_module.parse_args, {"--target", "--data", "--dtype"}),
+    "bench.ablation": (ablation.parse_args, set()), "bench.cost": (cost.parse_args, set()),
+    "bench.gpu_check": (gpu_check.parse_args, set()), "bench.peer_cycle": (peer_cycle.parse_args, set()),
+    "bench.real": (real.parse_args, set()), "port.golden": (golden.main, set())}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_flag_an_entry_point_shares_with_train_py_has_its_name_type_and_default(entry):
-    """python -m harness.memory, .checkpoint and .regenerate declare their own flags; one that train.py takes too
-    (--batch-size, --block-size, --dtype, ...) means the same thing there: the same destination, action, default
-    and choices, and its type accepts and refuses the same values (numbers, bounds, NaN, words)."""
-    ours = {s: a for a in parser_of(train.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
-    theirs = {s: a for a in parser_of(entry.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
+    """Every other entry point (python -m harness.memory, .checkpoint, .regenerate, bench/'s and port/'s) declares
+    its own flags; one that train.py takes too (--batch-size, --block-size, --dtype, ...) means the same thing there:
+    the same destination, action, default and choices, and its type accepts and refuses the same values (numbers,
+    bounds, NaN, words). A flag of another meaning takes another name (bench.cost's --draft-dtype, the bench's --out)."""
+    parse_args, at_least = ENTRY_POINTS[entry]
+    options = lambda parser: {s: a for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+    ours, theirs = options(parser_of(train.parse_args)), options(parser_of(parse_args))
     shared = sorted(ours.keys() & theirs.keys())
-    assert "--target" in shared, f"{entry.__name__} shares {shared} with train.py, not even --target"
+    assert theirs and at_least <= set(shared), f"{entry} shares {shared} with train.py, not {sorted(at_least)}"
     for flag in shared:
         a, b = ours[flag], theirs[flag]
         want = (a.dest, type(a).__name__, a.default, a.choices, a.nargs)
         got = (b.dest, type(b).__name__, b.default, b.choices, b.nargs)
-        assert got == want, f"{entry.__name__} {flag}: (dest, action, default, choices, nargs) {got}, train.py's {want}"
+        assert got == want, f"{entry} {flag}: (dest, action, default, choices, nargs) {got}, train.py's {want}"
         differ = [(text, x, y) for text, x, y in zip(FLAG_PROBES, parsed(a), parsed(b)) if x != y]
-        assert not differ, f"{entry.__name__} {flag} parses (probe, train.py's, its own) {differ} differently"
+        assert not differ, f"{entry} {flag} parses (probe, train.py's, its own) {differ} differently"
 
 
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
@@ -769,8 +786,7 @@ def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
     real, seen = dflash2.spec_generate, []
     monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
     metrics.evaluate(drafter.float(), target, tokenizer, val, train.loss_config(args, drafter.config.vocab_size),
-                     args.batch_size, args.max_anchors, args.seed, lambda *a: None, prompts=2,
-                     max_new_tokens=train.EVAL_NEW_TOKENS)
+                     args.batch_size, args.max_anchors, args.seed, lambda *a: None, prompts=2, max_new_tokens=8)
     assert seen and set(seen) == {torch.float32}, f"the eval decoded with the target in {set(seen)}"
     assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
 
@@ -786,7 +802,7 @@ def recording(params, *a, **k):  # the gradients the update uses, after the rank
     return clip(params, *a, **k)
 torch.nn.utils.clip_grad_norm_ = recording
 train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
-{quick}train.train(train.parse_args(sys.argv[1:]), decode_prompts=0)
+train.train(train.parse_args(sys.argv[1:]))
 weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
 torch.save(dict(grads=grads, weights=weights), os.environ["RECORD_OUT"] + os.environ.get("RANK", "0"))
 """
@@ -799,7 +815,7 @@ def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
     after the update, the same weights, bit for bit. (AdamW and the gradient clip both hide the
     gradient's scale from the weights and the loss.)"""
     script = tmp_path / "record.py"
-    script.write_text(GRADIENT_RECORDER.format(root=HERE, quick=QUICK_PRELUDE))
+    script.write_text(GRADIENT_RECORDER.format(root=HERE))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
     for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
                                                             "--nproc_per_node=2"], "1")):
@@ -933,7 +949,8 @@ def accumulated_run(world, padded_target, tmp_path_factory):
         m.setattr(train, "loss_step", recording_step)
         m.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
         m.setattr(dflash2, "spec_generate", decoding)
-        summary = train.train(args_for({**world, "target": padded_target}, out, "--steps", "1", "--grad-accum", "2"))
+        summary = train.train(args_for({**world, "target": padded_target}, out, "--steps", "1", "--grad-accum", "2",
+                                       "--decode-prompts", "4"))
     return {"out": out, "summary": summary, "printed": printed.getvalue(), **seen}
 
 
