@@ -433,7 +433,8 @@ def test_a_flag_an_entry_point_shares_with_train_py_has_its_name_type_and_defaul
     """Every other entry point (python -m harness.memory, .checkpoint, .regenerate, bench/'s and port/'s) declares
     its own flags; one that train.py takes too (--batch-size, --block-size, --dtype, ...) means the same thing there:
     the same destination, action, default and choices, and its type accepts and refuses the same values (numbers,
-    bounds, NaN, words). A flag of another meaning takes another name (bench.cost's --draft-dtype, the bench's --out)."""
+    bounds, NaN, words). A flag of another meaning takes another name (bench.cost's --draft-dtype, the bench's
+    --out)."""
     parse_args, at_least = ENTRY_POINTS[entry]
     options = lambda parser: {s: a for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
     ours, theirs = options(parser_of(train.parse_args)), options(parser_of(parse_args))
