@@ -35,7 +35,7 @@ import torch
 import dflash2
 from harness import checkpoint, metrics, tiny_world
 from harness.target import decoding_view
-from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
+from bench.common import ci_text, mean_ci, prompts_of, quick_world, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
     "DFlash": ["--conv-kernel-size", "0", "--selector-top-k", "0"],
@@ -195,7 +195,7 @@ def ablation(args, settings):
     import transformers
     defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        target_path, data_path = quick_world(args.cache_dir)
         base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256",
                 "--drafter-config", '{"selector_rank": 16}']
     else:

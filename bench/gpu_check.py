@@ -35,7 +35,7 @@ import torch
 
 import dflash2
 from harness import checkpoint, tiny_world
-from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
+from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, quick_world, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
 from harness.memory import GiB, memory_plan, sizing_config
 
@@ -51,7 +51,7 @@ def pipeline(device, cache_dir, smoke, prompts=8, max_new_tokens=96):
     import train
     import transformers
     if smoke:
-        world = tiny_world.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        world = quick_world(cache_dir)
         flags = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--drafter-config", '{"selector_rank": 16}',
                  "--val-size", "8", "--decode-prompts", "1"]
         prompts, max_new_tokens = 2, 16

@@ -3,6 +3,7 @@ dflash2.py; those that need dflash2.py alone are the top conftest.py's, which th
 read too. tests/ is a package so that this conftest and the top one are two modules. The world
 here is a saved model folder and a data file, for the entry points that read paths: train.py,
 python -m harness.checkpoint and python -m harness.regenerate."""
+import functools
 import json
 
 import pytest
@@ -67,3 +68,14 @@ def no_target_load(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the target's weights were loaded")
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+
+
+def small_world(monkeypatch):
+    """tiny_world builds from 120 stdlib conversations, 8 of them held out, instead of all of them (7000+) and
+    256, and pretrains on 2 windows of 64 tokens a step instead of 8 of 256: nothing the tests check depends on
+    those sizes, and at full size they are nearly all of a build's time (tokenizing the library, a step,
+    answering and measuring the held-out conversations)."""
+    convs, pretrain = tiny_world.stdlib_conversations(chunk_chars=600)[:120], tiny_world.pretrain_tiny_target
+    monkeypatch.setattr(tiny_world, "stdlib_conversations", lambda **kw: convs)
+    monkeypatch.setattr(tiny_world, "TINY_HELD_OUT", 8)
+    monkeypatch.setattr(tiny_world, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))

@@ -21,6 +21,7 @@ import dflash2
 from harness import tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, real
 from conftest import tiny_qwen3
+from tests.conftest import small_world
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,8 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """One offline-world cache for the smoke runs: the quick world is built once."""
-    return str(tmp_path_factory.mktemp("cache"))
+    """One offline-world cache for the smoke runs: their quick world, built once and small (tests/conftest.py's
+    small_world): they check the plumbing, which does not depend on the world's size."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    with pytest.MonkeyPatch.context() as m:
+        small_world(m)
+        common.quick_world(cache)
+    return cache
 
 
 @pytest.fixture

@@ -31,6 +31,8 @@ from tests.conftest import CONVERSATION, save_tiny_target, write_jsonl
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def records(out, kind):
     """A run's record lines of one kind ("train" or "eval")."""
@@ -229,45 +231,67 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
 
 
-KILLED_AT_STEP_3 = """
-import sys
+DATA_PARALLEL = """
+import os, sys
+import torch
+import torch.distributed as dist
 sys.path.insert(0, {root!r})
 import train
+flags, out = sys.argv[1:], os.environ["RUNS_OUT"]
+run = lambda name, *extra: train.train(train.parse_args([*flags, "--out-dir", os.path.join(out, name), *extra]))
+# the runs share one process group: a new one would rendezvous on the keys the last one left in torchrun's store
+init = dist.init_process_group
+dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)
+dist.destroy_process_group = lambda: None
+# one step of two micro-steps: the gradients the update uses (after the ranks' reduction), the weights after it
+clip, make_optimizer, grads, made = torch.nn.utils.clip_grad_norm_, train.make_optimizer, [], []
+def recording(params, *a, **k):
+    grads.append([p.grad.clone() for p in params])
+    return clip(params, *a, **k)
+torch.nn.utils.clip_grad_norm_ = recording
+train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
+run("gradient", "--steps", "1", "--grad-accum", "2")
+weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
+torch.save(dict(grads=grads, weights=weights), os.path.join(out, "gradient" + os.environ["RANK"] + ".pt"))
+torch.nn.utils.clip_grad_norm_, train.make_optimizer = clip, make_optimizer
+# 4 steps, a checkpoint every 2: every rank stops in step 3, before its update (a kill after step 2's checkpoint),
+# then the run resumes
 lr_at = train.lr_at
-def dying(step, *a):  # every rank stops in step 3, before its update: a kill after step 2's checkpoint
+def dying(step, *a):
     if step == 2:
         raise SystemExit("killed in step 3")
     return lr_at(step, *a)
 train.lr_at = dying
-train.train(train.parse_args(sys.argv[1:]))
+try:
+    run("ddp", "--steps", "4", "--eval-every", "2")
+except SystemExit as killed:
+    print(killed, flush=True)
+train.lr_at = lr_at
+run("ddp", "--steps", "4", "--eval-every", "2", "--resume")
 """
 
 
-RUN_TRAIN = """
-import sys
-sys.path.insert(0, {root!r})
-import train
-train.train(train.parse_args(sys.argv[1:]))
-"""
+@pytest.fixture(scope="module")
+def data_parallel_runs(world, tmp_path_factory):
+    """The runs of DATA_PARALLEL, 2 ranks x batch 1, in one torchrun (its start-up costs more than the runs):
+    -> the folder of their outputs (each run's folder, each rank's recorded gradients) and what they printed."""
+    out = tmp_path_factory.mktemp("data_parallel")
+    (out / "runs.py").write_text(DATA_PARALLEL.format(root=HERE))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1", "RUNS_OUT": str(out)}
+    run = subprocess.run([*torchrun, str(out / "runs.py"), *flags(world, out / "unused", "--batch-size", "1")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {"out": out, "printed": run.stdout}
 
 
-def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference_run, tmp_path):
+def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(reference_run, data_parallel_runs):
     """DistributedDataParallel: 2 ranks x batch 1, killed after step 2's checkpoint and resumed,
     make the same updates and log the same losses as 1 rank x batch 2 (the reference run: the
     loss is normalised by the weights of the whole global batch). The replicas' agreement:
     test_the_data_parallel_gradient_is_the_whole_batchs."""
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_AT_STEP_3.format(root=HERE))
-    resumed = tmp_path / "resumed.py"
-    resumed.write_text(RUN_TRAIN.format(root=HERE))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--eval-every", "2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-    killed = subprocess.run([*torchrun, str(script), *run_flags], capture_output=True, text=True, timeout=300, env=env)
-    assert killed.returncode != 0 and "killed in step 3" in killed.stderr, killed.stdout[-3000:] + killed.stderr[-3000:]
-    run = subprocess.run([*torchrun, str(resumed), *run_flags, "--resume"], capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    printed, ddp_out = data_parallel_runs["printed"], data_parallel_runs["out"] / "ddp"
+    assert printed.count("killed in step 3") == 2, f"both ranks should stop in step 3: {printed[-3000:]}"
     # Tolerances. Both runs do the same float32 arithmetic in another order (two rows in one
     # batch, or one per rank and an all-reduce), so their gradients agree to rounding only:
     # 2^-24 per operation, more where many terms nearly cancel. AdamW steps every entry by
@@ -278,12 +302,12 @@ def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference
     # and moves entries by whole steps (~1 of the largest entry). The gradient's overall scale,
     # which AdamW cancels, shows in the logged loss: a float32 sum of a few hundred terms, far
     # inside 1e-4 when right.
-    ddp, one = (torch.load(d / "resume.pt", weights_only=True)["model"] for d in (tmp_path / "ddp", reference_run["out"]))
+    ddp, one = (torch.load(d / "resume.pt", weights_only=True)["model"] for d in (ddp_out, reference_run["out"]))
     for k, v in one.items():
         err = (ddp[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
         assert err < 1e-3, f"{k}: 2 ranks x batch 1 and 1 rank x batch 2 differ by {err:.3g} of its largest entry"
     ddp_loss, one_loss = ({r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-                           if r["kind"] == "train"} for d in (tmp_path / "ddp", reference_run["out"]))
+                           if r["kind"] == "train"} for d in (ddp_out, reference_run["out"]))
     assert ddp_loss.keys() == one_loss.keys() and all(abs(ddp_loss[s] - one_loss[s]) < 1e-4 * one_loss[s] for s in one_loss), \
         f"logged losses per step: 2 ranks x batch 1 {ddp_loss}, 1 rank x batch 2 {one_loss}"
 
@@ -792,40 +816,23 @@ def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
     assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
 
 
-GRADIENT_RECORDER = """
-import os, sys
-import torch
-sys.path.insert(0, {root!r})
-import train
-clip, make_optimizer, grads, made = torch.nn.utils.clip_grad_norm_, train.make_optimizer, [], []
-def recording(params, *a, **k):  # the gradients the update uses, after the ranks' reduction
-    grads.append([p.grad.clone() for p in params])
-    return clip(params, *a, **k)
-torch.nn.utils.clip_grad_norm_ = recording
-train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
-train.train(train.parse_args(sys.argv[1:]))
-weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
-torch.save(dict(grads=grads, weights=weights), os.environ["RECORD_OUT"] + os.environ.get("RANK", "0"))
-"""
-
-
-def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
+def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path, data_parallel_runs):
     """2 ranks x batch 1 reach the update with the gradient of 1 rank x batch 2, the same rows, over
     two micro-steps (DDP reduces in the last one's backward only): the mean over ranks of each rank's
     gradient, itself normalised by the global batch's weights. Both replicas hold that gradient and,
     after the update, the same weights, bit for bit. (AdamW and the gradient clip both hide the
     gradient's scale from the weights and the loss.)"""
-    script = tmp_path / "record.py"
-    script.write_text(GRADIENT_RECORDER.format(root=HERE))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-    for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
-                                                            "--nproc_per_node=2"], "1")):
-        cmd = [sys.executable, *launch, str(script), *flags(world, tmp_path / name, "--steps", "1", "--batch-size", batch,
-                                                            "--grad-accum", "2")]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                             env={**env, "RECORD_OUT": str(tmp_path / f"{name}.pt")})
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    one, two, other = (torch.load(tmp_path / f) for f in ("one.pt0", "two.pt0", "two.pt1"))
+    clip, grads = torch.nn.utils.clip_grad_norm_, []
+
+    def recording(params, *a, **k):
+        grads.append([p.grad.clone() for p in params])
+        return clip(params, *a, **k)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+        train.train(args_for(world, tmp_path / "one", "--steps", "1", "--batch-size", "2", "--grad-accum", "2"))
+    one = {"grads": grads}
+    two, other = (torch.load(data_parallel_runs["out"] / f"gradient{rank}.pt") for rank in (0, 1))
     flat = lambda tensors: torch.cat([t.flatten() for t in tensors])
     for what, got, want in (("gradients", flat(other["grads"][0]), flat(two["grads"][0])),
                             ("weights after the update", flat(other["weights"]), flat(two["weights"]))):
