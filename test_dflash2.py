@@ -1,6 +1,6 @@
 """Core tests of dflash2.py (ALGORITHM.md §1-§3, §6): drafter, local convolution, candidate
-selector, block masking, anchors and loss (the §6 metrics: tests/test_metrics.py, on this
-file's target, drafter, batch and references). Every hand-written piece is checked against an
+selector, block masking, anchors and loss (the §6 metrics: tests/test_metrics.py, on the same
+target, drafter, batch and references, conftest.py's). Every hand-written piece is checked against an
 independent reference (a naive loop, brute force or exact enumeration) on tiny random Qwen3
 targets built from a config; nothing is downloaded. Comparisons run in float64 (in float32
 where float32 is the point: underflow, the compiled loss). Beside conftest's builders it
