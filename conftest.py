@@ -1,16 +1,18 @@
-"""Shared builders and fixtures of the tests, test_dflash2.py's and those in tests/: tiny random
-Qwen3 targets built from a transformers config (nothing downloaded), random DFlash2 drafters for
-them, the single-thread fixture that tiny models need on a busy CPU, the chi-square test of a
-sampler's law, and the plain greedy loop that generation and regeneration are checked against."""
+"""Shared builders and fixtures of the tests, test_dflash2.py's and those in tests/, from dflash2.py,
+torch and transformers alone (the second tier's builders: tests/conftest.py): tiny random Qwen3 targets
+built from a transformers config (nothing downloaded), the single-thread fixture that tiny models need
+on a busy CPU, the chi-square test of a sampler's law, the plain greedy loop that generation and
+regeneration are checked against, and test_dflash2.py's target, drafter, batch and loop references,
+which tests/test_metrics.py reads too."""
 import itertools
+import math
 
 import numpy as np
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash2 import DFlash2Drafter, sampling_probs
-from harness.target import drafter_config, rope_tables
+from dflash2 import Batch, CandidateSelector, DFlash2Config, DFlash2Drafter, LocalConv, context_features, sampling_probs
 
 
 @pytest.fixture(scope="module")
@@ -40,24 +42,6 @@ def tiny_qwen3(vocab_size, hidden_size=32, num_layers=2, head_dim=8, seed=0, dty
     model = Qwen3ForCausalLM(Qwen3Config(**{**shape, **config})).to(dtype).eval().requires_grad_(False)
     model.lm_head.weight.mul_(lm_head_scale)
     return model
-
-
-def tiny_drafter(target, seed=1, dtype=torch.float64, **overrides):
-    """A random drafter for `target` (1 layer, mask token V - 1 unless overridden) whose DFlash2
-    parts are off their identity init: the selector's codebooks and projection are random (so
-    q depends on the predecessor) and the convolution has nonzero off-centre taps and dynamic
-    kernels. A rope_scaling override takes its tables from harness.target.rope_tables."""
-    torch.manual_seed(seed)
-    shape = dict(mask_token_id=target.config.vocab_size - 1, num_layers=1, conv_group_size=8, selector_rank=4)
-    c = drafter_config(target.config, **{**shape, **overrides})
-    drafter = DFlash2Drafter(c, rope=rope_tables(c))
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.startswith("candidate_selector."):
-                p.normal_(0, 1.5)
-            elif "_conv." in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return drafter.to(dtype).eval()
 
 
 def chi_square_pvalue(counts, probs, what):
@@ -158,3 +142,167 @@ def exact_joint3(target, prompt, temperature, top_p, top_k):
     x1, x2 = pairs[:, 0], pairs[:, 1]
     rows = torch.arange(len(pairs))
     return ((p[rows, 0, x1] * p[rows, 1, x2])[:, None] * p[:, 2]).view(V, V, V)
+
+
+# -----------------------------------------------------------------------------
+# test_dflash2.py's world (tests/test_metrics.py's too): a target, a drafter of it, a batch, loop references
+
+V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
+MASK_ID = V - 1           # never drawn as a data token
+S = 20                    # sequence length of the test batch
+LAYER_IDS = [0, 2]        # two context features out of the target's four layers
+WIDE_K = 32               # a top-K that holds about a third of the labels of a random drafter,
+                          # so the selector loss sees slots in and out of its candidates
+SERVED = (0.7, 0.6, 14)   # soft_labels_at: top-k keeps 14 of the V tokens, then top-p 8 or 9 of them
+# anchors of the test batch: row 0 has a block at 0 (empty context), a block whose slot 1
+# is outside loss_mask (9) and one running past the end (18); row 1 is right-padded from
+# 14 on, its block at 12 runs into the padding and its last two anchors are padding
+ANCHORS = torch.tensor([[0, 5, 8, 14, 18], [3, 7, 12, 0, 0]])
+VALID = torch.tensor([[True] * 5, [True, True, True, False, False]])
+
+
+def make_target(lm_head_scale=1.0, dtype=torch.float64):
+    """A random Qwen3 target (V tokens, width H, four layers of 4 query and 2 key-value heads of 8), frozen, in
+    float64 unless asked otherwise."""
+    return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale, dtype=dtype)
+
+
+def make_config(**overrides):
+    """A small drafter of make_target()'s target: its shape as target.drafter_config reads it (tests/test_target.py),
+    two layers, blocks of B, a convolution and a selector."""
+    shape = dict(hidden_size=H, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
+                 num_target_layers=4, rope_theta=1e4, max_position_embeddings=256)
+    small = dict(mask_token_id=MASK_ID, num_layers=2, block_size=B, target_layer_ids=LAYER_IDS,
+                 conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
+    return DFlash2Config(**{**shape, **small, **overrides})
+
+
+def make_drafter(seed=0, randomize=False, **overrides):
+    """randomize: move the convolution and the selector off their identity init, so that
+    leaks across blocks or predecessors cannot hide behind zero weights."""
+    torch.manual_seed(seed)
+    drafter = DFlash2Drafter(make_config(**overrides)).double()
+    if randomize:
+        with torch.no_grad():
+            for m in drafter.modules():
+                if isinstance(m, LocalConv):
+                    m.base_kernel.normal_(0, 0.5)
+                    m.kernel_projection.weight.normal_(0, 0.3)
+                elif isinstance(m, CandidateSelector) and m.factored:  # E rows are ~0.02: W_A·E[p] ~ 1
+                    m.hidden_projection.weight.normal_(0, 0.3)
+                    m.predecessor_projection.weight.normal_(0, 8.0)
+                    m.successor_projection.weight.normal_(0, 8.0)
+                elif isinstance(m, CandidateSelector):
+                    m.hidden_projection.weight.normal_(0, 0.3)
+                    m.predecessor_codebook.normal_(0, 1.0)
+                    m.successor_codebook.normal_(0, 1.0)
+    return drafter
+
+
+def make_batch(target, seed=0):
+    """Two rows of S tokens; row 1 right-padded from 14; loss_mask 0 on a 3-token prompt,
+    on padding and at position 9."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, V - 1, (2, S), generator=g)
+    attention_mask = torch.ones(2, S, dtype=torch.long)
+    attention_mask[1, 14:] = 0
+    loss_mask = attention_mask.clone()
+    loss_mask[:, :3] = 0
+    loss_mask[0, 9] = 0
+    with torch.no_grad():
+        out = target(input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
+                hidden_states=out.hidden_states)
+
+
+def loss_batch(batch, anchors=ANCHORS, anchor_valid=VALID):
+    """The loss's Batch of a test batch: ids and masks, the context features f and the last hidden state g."""
+    hs = batch["hidden_states"]
+    return Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], context_features(hs, LAYER_IDS),
+                 hs[-1], anchors, anchor_valid)
+
+
+def with_last_hidden(batch, G):
+    """The batch with G (b, S, H) as the target's final hidden state: target logits lm_head(G)."""
+    return {**batch, "hidden_states": (*batch["hidden_states"][:-1], G)}
+
+
+def ref_codebook_row(sel, side, v, W_in=None):
+    """Row v of A (side "predecessor") or Bc ("successor"): the table's row, or with factored
+    codebooks Σ_h W[r, h] · W_in[v, h], summed in a loop."""
+    if not sel.factored:
+        return getattr(sel, f"{side}_codebook")[v].tolist()
+    W, E = getattr(sel, f"{side}_projection").weight.tolist(), W_in[v].tolist()
+    return [sum(W[r][i] * E[i] for i in range(len(E))) for r in range(len(W))]
+
+
+def ref_edge_score(sel, h, unary, p, c, W_in=None):
+    """S(p, c) = U[c] + Σ_r A[p, r] · P[r] · Bc[c, r] with P = W h, for one slot."""
+    P = (sel.hidden_projection.weight @ h).tolist()
+    A, Bc = ref_codebook_row(sel, "predecessor", p, W_in), ref_codebook_row(sel, "successor", c, W_in)
+    return unary[c].item() + sum(A[r] * P[r] * Bc[r] for r in range(len(P)))
+
+
+def ref_topk(unary, k):
+    return sorted(range(unary.shape[-1]), key=lambda v: -unary[v].item())[:k]
+
+
+def ref_filtered_law(logits, temperature, top_p, top_k):
+    """The law at a sampling setting, token by token: the top_k largest logits, softmax(·/T)
+    over them, then the most likely tokens in order until their mass reaches top_p,
+    renormalised. -> {token: probability} over its support."""
+    order = sorted(range(len(logits)), key=lambda v: -logits[v].item())[:top_k or None]
+    z = sum(math.exp(logits[v].item() / temperature) for v in order)
+    kept, mass = [], 0.0
+    for v in order:
+        if top_p < 1 and mass >= top_p:
+            break
+        kept.append(v)
+        mass += math.exp(logits[v].item() / temperature) / z
+    return {v: math.exp(logits[v].item() / temperature) / z / mass for v in kept}
+
+
+def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True, W_in=None):
+    """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
+    with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
+    keeps the anchor as every slot's predecessor (the wrong walk, a control)."""
+    prev, path = anchor, []
+    for j in range(unary.shape[0]):
+        cand = ref_topk(unary[j], sel.top_k)
+        scores = [ref_edge_score(sel, h[j], unary[j], prev, c, W_in) for c in cand]
+        path.append(cand[scores.index(max(scores))])
+        prev = path[-1] if feed_forward else anchor
+    return path
+
+
+def counted_slots(batch, anchors, valid):
+    """(row, block, slot k, position t) of every slot the loss counts: real anchor, t < S
+    and loss_mask[t] = 1."""
+    out = []
+    for n in range(anchors.shape[0]):
+        for j in range(anchors.shape[1]):
+            for k in range(1, B):
+                t = anchors[n, j].item() + k
+                if valid[n, j] and t < S and batch["loss_mask"][n, t]:
+                    out.append((n, j, k, t))
+    return out
+
+
+def echo_forward(G, shift=0, noise=None):
+    """A stand-in drafter forward whose output at block position t is G[t - 1 + shift]
+    (+ noise): with target logits lm_head(G), shift 0 reproduces exactly the distribution
+    slot k of anchor a must learn, the target's at a + k - 1."""
+    def forward(embeds, pos, ctx, ctx_pos, mask=None, cache=None):
+        h = G.gather(1, (pos - 1 + shift).clamp(0, S - 1)[..., None].expand(-1, -1, H))
+        return h if noise is None else h + noise
+    return forward
+
+
+def float64_scores(monkeypatch, sel):
+    """sel's edge scores without their cast to fp32 (kept on purpose, §8), in the loss and the
+    metrics: fp32 scores would hide a chunking error of 1e-10 behind rounding of 1e-7.
+    monkeypatch.undo() restores the real ones."""
+    def edge_scores(h, unary, prev, cand, W_in=None):  # free codebooks: W_in is not read
+        return unary.gather(-1, cand) + torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev]
+                                                     * sel.hidden_projection(h), sel.successor_codebook[cand])
+    monkeypatch.setattr(sel, "edge_scores", edge_scores)

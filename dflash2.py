@@ -154,7 +154,7 @@ class RMSNorm(nn.Module):
 class DraftCache:
     """The drafter's K/V cache, one (k, v) per layer, of committed context only: a block's live one pass (§5)."""
     def __init__(self, num_layers):
-        self.kv, self.length = [None] * num_layers, 0  # length: context positions held
+        self.kv, self.length = [None] * num_layers, 0  # length: context positions seen (a sliding layer holds fewer)
 
     def extend(self, layer_idx, k, v, keep=None):
         """Append the new context's k, v (b, nkv, n, hd); keep: hold only the last `keep` positions (a sliding
@@ -456,7 +456,6 @@ class LossConfig:
     alpha: float = 1.0                   # L = L_unary + α·L_sel
     selector_labels: str = "argmax"      # --selector-labels: π, "argmax" (one-hot on y) or "soft" (p on C)
     soft_labels_at: tuple | None = None  # --selector-labels T,TOP_P,TOP_K: soft π at that sampling setting; None: p
-    accept_at: tuple | None = None       # the acceptance metrics' sampling setting; None: (1, 1, 0)
     chunk_size: int | None = None        # slots whose logits live at once; several chunks are recomputed in backward
 
     def __post_init__(self):
@@ -791,13 +790,16 @@ def check_loss_config(cfg):
     require(cfg.gamma is None or cfg.gamma > 0, f"gamma ({cfg.gamma}) must be > 0 (or None for B's default)")
     require(cfg.alpha >= 0, f"alpha ({cfg.alpha}) must be >= 0")
     require(cfg.chunk_size is None or cfg.chunk_size >= 1, f"chunk_size ({cfg.chunk_size}) must be >= 1 or None")
-    for name, setting in (("soft_labels_at", cfg.soft_labels_at), ("accept_at", cfg.accept_at)):
-        if setting is not None:  # a sampling setting, and T = 0 has no law to read
-            try:
-                check_sampling(*setting)
-                require(setting[0] != 0, "temperature must be > 0")
-            except ValueError as e:
-                raise ValueError(f"{name} {setting}: {e}") from None
+    if cfg.soft_labels_at is not None:
+        check_law_setting("soft_labels_at", cfg.soft_labels_at)
+
+def check_law_setting(name, setting):
+    """A sampling setting whose law is read (the soft labels', the acceptance metrics'): T = 0 has none to read."""
+    try:
+        check_sampling(*setting)
+        require(setting[0] != 0, "temperature must be > 0")
+    except ValueError as e:
+        raise ValueError(f"{name} {setting}: {e}") from None
 
 def check_sampling(temperature, top_p, top_k):
     """A request's setting: T finite, >= 0 (0: greedy); top_p in (0, 1], integer top_k >= 0 (1 and 0: no filter)."""

@@ -1,6 +1,6 @@
 """Core tests of dflash2.py (ALGORITHM.md §1-§3, §6): drafter, local convolution, candidate
-selector, block masking, anchors and loss (the §6 metrics: tests/test_metrics.py, on this
-file's target, drafter, batch and references). Every hand-written piece is checked against an
+selector, block masking, anchors and loss (the §6 metrics: tests/test_metrics.py, on the same
+target, drafter, batch and references, conftest.py's). Every hand-written piece is checked against an
 independent reference (a naive loop, brute force or exact enumeration) on tiny random Qwen3
 targets built from a config; nothing is downloaded. Comparisons run in float64 (in float32
 where float32 is the point: underflow, the compiled loss). Beside conftest's builders it
@@ -14,85 +14,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_qwen3
-from dflash2 import (Batch, CandidateSelector, DFlash2Config, DFlash2Drafter, DraftCache, LocalConv, LossConfig,
-                     TargetView, block_attention_mask, block_layout, block_slots, context_features, default_gamma,
-                     default_target_layer_ids, dflash2_loss, local_conv, loss_sums, sample_anchors, slot_sums,
-                     target_view)
-
-V, H, B = 96, 32, 4      # target vocab, target width, drafter block size
-MASK_ID = V - 1           # never drawn as a data token
-S = 20                    # sequence length of the test batch
-LAYER_IDS = [0, 2]        # two context features out of the target's four layers
-WIDE_K = 32               # a top-K that holds about a third of the labels of a random drafter,
-                          # so the selector loss sees slots in and out of its candidates
-SERVED = (0.7, 0.6, 14)   # soft_labels_at: top-k keeps 14 of the V tokens, then top-p 8 or 9 of them
-# anchors of the test batch: row 0 has a block at 0 (empty context), a block whose slot 1
-# is outside loss_mask (9) and one running past the end (18); row 1 is right-padded from
-# 14 on, its block at 12 runs into the padding and its last two anchors are padding
-ANCHORS = torch.tensor([[0, 5, 8, 14, 18], [3, 7, 12, 0, 0]])
-VALID = torch.tensor([[True] * 5, [True, True, True, False, False]])
+from conftest import (ANCHORS, B, H, LAYER_IDS, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
+                      float64_scores, loss_batch, make_batch, make_config, make_drafter, make_target, ref_edge_score,
+                      ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
+from dflash2 import (DFlash2Drafter, DraftCache, LocalConv, LossConfig, TargetView, block_attention_mask, block_layout,
+                     block_slots, context_features, default_gamma, default_target_layer_ids, dflash2_loss, local_conv,
+                     loss_sums, sample_anchors, slot_sums, target_view)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def make_target(lm_head_scale=1.0, dtype=torch.float64):
-    """A random Qwen3 target (V tokens, width H, four layers of 4 query and 2 key-value heads of 8), frozen, in
-    float64 unless asked otherwise."""
-    return tiny_qwen3(V, H, num_layers=4, max_position_embeddings=256, lm_head_scale=lm_head_scale, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
 def target():
     return make_target()
-
-
-def make_config(**overrides):
-    """A small drafter of make_target()'s target: its shape as target.drafter_config reads it (tests/test_target.py),
-    two layers, blocks of B, a convolution and a selector."""
-    shape = dict(hidden_size=H, intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8, vocab_size=V,
-                 num_target_layers=4, rope_theta=1e4, max_position_embeddings=256)
-    small = dict(mask_token_id=MASK_ID, num_layers=2, block_size=B, target_layer_ids=LAYER_IDS,
-                 conv_kernel_size=2, conv_group_size=8, selector_rank=8, selector_top_k=5)
-    return DFlash2Config(**{**shape, **small, **overrides})
-
-
-def make_drafter(seed=0, randomize=False, **overrides):
-    """randomize: move the convolution and the selector off their identity init, so that
-    leaks across blocks or predecessors cannot hide behind zero weights."""
-    torch.manual_seed(seed)
-    drafter = DFlash2Drafter(make_config(**overrides)).double()
-    if randomize:
-        with torch.no_grad():
-            for m in drafter.modules():
-                if isinstance(m, LocalConv):
-                    m.base_kernel.normal_(0, 0.5)
-                    m.kernel_projection.weight.normal_(0, 0.3)
-                elif isinstance(m, CandidateSelector) and m.factored:  # E rows are ~0.02: W_A·E[p] ~ 1
-                    m.hidden_projection.weight.normal_(0, 0.3)
-                    m.predecessor_projection.weight.normal_(0, 8.0)
-                    m.successor_projection.weight.normal_(0, 8.0)
-                elif isinstance(m, CandidateSelector):
-                    m.hidden_projection.weight.normal_(0, 0.3)
-                    m.predecessor_codebook.normal_(0, 1.0)
-                    m.successor_codebook.normal_(0, 1.0)
-    return drafter
-
-
-def make_batch(target, seed=0):
-    """Two rows of S tokens; row 1 right-padded from 14; loss_mask 0 on a 3-token prompt,
-    on padding and at position 9."""
-    g = torch.Generator().manual_seed(seed)
-    input_ids = torch.randint(0, V - 1, (2, S), generator=g)
-    attention_mask = torch.ones(2, S, dtype=torch.long)
-    attention_mask[1, 14:] = 0
-    loss_mask = attention_mask.clone()
-    loss_mask[:, :3] = 0
-    loss_mask[0, 9] = 0
-    with torch.no_grad():
-        out = target(input_ids, attention_mask=attention_mask, output_hidden_states=True)
-    return dict(input_ids=input_ids, attention_mask=attention_mask, loss_mask=loss_mask,
-                hidden_states=out.hidden_states)
 
 
 def model_logits(target, batch):
@@ -102,23 +36,11 @@ def model_logits(target, batch):
         return target(batch["input_ids"], attention_mask=batch["attention_mask"]).logits
 
 
-def loss_batch(batch, anchors=ANCHORS, anchor_valid=VALID):
-    """The loss's Batch of a test batch: ids and masks, the context features f and the last hidden state g."""
-    hs = batch["hidden_states"]
-    return Batch(batch["input_ids"], batch["attention_mask"], batch["loss_mask"], context_features(hs, LAYER_IDS),
-                 hs[-1], anchors, anchor_valid)
-
-
 def loss_and_stats(drafter, target, batch, anchors, anchor_valid, cfg=LossConfig()):
     """dflash2_loss of a batch: (L, its stats as floats)."""
     view = target_view(drafter.config, target)
     loss, stats, _ = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
     return loss, {k: v.item() for k, v in stats.items()}
-
-
-def with_last_hidden(batch, G):
-    """The batch with G (b, S, H) as the target's final hidden state: target logits lm_head(G)."""
-    return {**batch, "hidden_states": (*batch["hidden_states"][:-1], G)}
 
 
 @pytest.fixture(scope="module")
@@ -241,67 +163,6 @@ def ref_layer(layer, h, ctx, blk_pos, ctx_pos, allowed, block_size):
                                                         * (u1 @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T)
 
 
-def ref_codebook_row(sel, side, v, W_in=None):
-    """Row v of A (side "predecessor") or Bc ("successor"): the table's row, or with factored
-    codebooks Σ_h W[r, h] · W_in[v, h], summed in a loop."""
-    if not sel.factored:
-        return getattr(sel, f"{side}_codebook")[v].tolist()
-    W, E = getattr(sel, f"{side}_projection").weight.tolist(), W_in[v].tolist()
-    return [sum(W[r][i] * E[i] for i in range(len(E))) for r in range(len(W))]
-
-
-def ref_edge_score(sel, h, unary, p, c, W_in=None):
-    """S(p, c) = U[c] + Σ_r A[p, r] · P[r] · Bc[c, r] with P = W h, for one slot."""
-    P = (sel.hidden_projection.weight @ h).tolist()
-    A, Bc = ref_codebook_row(sel, "predecessor", p, W_in), ref_codebook_row(sel, "successor", c, W_in)
-    return unary[c].item() + sum(A[r] * P[r] * Bc[r] for r in range(len(P)))
-
-
-def ref_topk(unary, k):
-    return sorted(range(unary.shape[-1]), key=lambda v: -unary[v].item())[:k]
-
-
-def ref_filtered_law(logits, temperature, top_p, top_k):
-    """The law at a sampling setting, token by token: the top_k largest logits, softmax(·/T)
-    over them, then the most likely tokens in order until their mass reaches top_p,
-    renormalised. -> {token: probability} over its support."""
-    order = sorted(range(len(logits)), key=lambda v: -logits[v].item())[:top_k or None]
-    z = sum(math.exp(logits[v].item() / temperature) for v in order)
-    kept, mass = [], 0.0
-    for v in order:
-        if top_p < 1 and mass >= top_p:
-            break
-        kept.append(v)
-        mass += math.exp(logits[v].item() / temperature) / z
-    return {v: math.exp(logits[v].item() / temperature) / z / mass for v in kept}
-
-
-def ref_greedy_walk(sel, h, unary, anchor, feed_forward=True, W_in=None):
-    """One block: h (n, H), unary (n, V). Returns the path, recomputing every slot's scores
-    with the token chosen at the slot before (the anchor for slot 1); feed_forward=False
-    keeps the anchor as every slot's predecessor (the wrong walk, a control)."""
-    prev, path = anchor, []
-    for j in range(unary.shape[0]):
-        cand = ref_topk(unary[j], sel.top_k)
-        scores = [ref_edge_score(sel, h[j], unary[j], prev, c, W_in) for c in cand]
-        path.append(cand[scores.index(max(scores))])
-        prev = path[-1] if feed_forward else anchor
-    return path
-
-
-def counted_slots(batch, anchors, valid):
-    """(row, block, slot k, position t) of every slot the loss counts: real anchor, t < S
-    and loss_mask[t] = 1."""
-    out = []
-    for n in range(anchors.shape[0]):
-        for j in range(anchors.shape[1]):
-            for k in range(1, B):
-                t = anchors[n, j].item() + k
-                if valid[n, j] and t < S and batch["loss_mask"][n, t]:
-                    out.append((n, j, k, t))
-    return out
-
-
 # -----------------------------------------------------------------------------
 # config validation
 
@@ -376,8 +237,8 @@ def test_training_functions_refuse_bad_arguments(target, batch):
                                                               r"selector_labels='soft'"),
                         (dict(selector_labels="soft", soft_labels_at=(0.0, 0.9, 20)),
                          r"soft_labels_at \(0.0, 0.9, 20\): temperature must be > 0"),
-                        (dict(accept_at=(1.0, 0.0, 20)), r"accept_at \(1.0, 0.0, 20\): top_p \(0.0\) must be in \(0, 1\]"),
-                        (dict(accept_at=(1.0, 1.0, 2.5)), r"accept_at \(1.0, 1.0, 2.5\): top_k \(2.5\) must be an integer")):
+                        (dict(selector_labels="soft", soft_labels_at=(1.0, 1.0, 2.5)),
+                         r"soft_labels_at \(1.0, 1.0, 2.5\): top_k \(2.5\) must be an integer")):
         with pytest.raises(ValueError, match=message):
             loss(**kw)
     with pytest.raises(ValueError, match=r"the drafter has num_target_layers 6 but the target has 4"):
@@ -1033,16 +894,6 @@ def test_slot_sums_selector_term_equals_a_loop(target, labels):
     assert 0 < inside < n, f"{inside} of {n} labels among the candidates: need slots both in and out of C"
 
 
-def echo_forward(G, shift=0, noise=None):
-    """A stand-in drafter forward whose output at block position t is G[t - 1 + shift]
-    (+ noise): with target logits lm_head(G), shift 0 reproduces exactly the distribution
-    slot k of anchor a must learn, the target's at a + k - 1."""
-    def forward(embeds, pos, ctx, ctx_pos, mask=None, cache=None):
-        h = G.gather(1, (pos - 1 + shift).clamp(0, S - 1)[..., None].expand(-1, -1, H))
-        return h if noise is None else h + noise
-    return forward
-
-
 def test_slot_k_learns_the_target_logits_at_a_plus_k_minus_1(target, batch, monkeypatch):
     drafter = make_drafter()
     G = 10 * torch.randn(2, S, H, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
@@ -1118,16 +969,6 @@ def assert_same_loss(got, want, what, tol):
     for name, g in want_grads.items():
         assert max_diff(grads[name], g) < tol * (1 + g.abs().max().item()), \
             f"{what}: gradient of {name} differs by {max_diff(grads[name], g):.3g}"
-
-
-def float64_scores(monkeypatch, sel):
-    """sel's edge scores without their cast to fp32 (kept on purpose, §8), in the loss and the
-    metrics: fp32 scores would hide a chunking error of 1e-10 behind rounding of 1e-7.
-    monkeypatch.undo() restores the real ones."""
-    def edge_scores(h, unary, prev, cand, W_in=None):  # free codebooks: W_in is not read
-        return unary.gather(-1, cand) + torch.einsum("...r,...kr->...k", sel.predecessor_codebook[prev]
-                                                     * sel.hidden_projection(h), sel.successor_codebook[cand])
-    monkeypatch.setattr(sel, "edge_scores", edge_scores)
 
 
 def test_chunked_loss_equals_unchunked(target, batch, monkeypatch):

@@ -40,13 +40,11 @@ WEIGHT_DECAY = 0.0         # AdamW
 GRAD_CLIP = 1.0            # max gradient norm
 GAMMA = None               # slot weight decay w_k = exp(-(k-1)/γ); None: 4/5/7 for B = 8/10/16
 ALPHA = 1.0                # weight of the selector loss
-LOG_EVERY = 20             # steps between log lines (each syncs with the host for its metrics)
-EVAL_PROMPTS = 4           # held-out prompts spec_generate decodes at the end of a run, at T = 0 and T = 1,
-EVAL_NEW_TOKENS = 96       # and the tokens it generates for each
+EVAL_NEW_TOKENS = 96       # the tokens spec_generate generates for each prompt --decode-prompts decodes
 EXPORT_DTYPE = torch.bfloat16  # checkpoint/, as engines serve it (resume.pt keeps the float32 weights)
 
 # -----------------------------------------------------------------------------
-# the flags: every knob of a run (python -m harness.memory, .checkpoint and .regenerate declare the ones they share
+# the flags: every knob of a run (every other entry point, bench/ and port/ included, declares the ones it shares
 # with the same name, type and default: tests/test_train.py holds them to it)
 
 def selector_labels(text):
@@ -127,6 +125,10 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="drafter init, data order and anchor draws")
     g.add_argument("--eval-every", type=at_least(0), default=0, help="steps between evaluations and checkpoints "
                    "(0: only at the end, where spec_generate also decodes held-out prompts)")
+    g.add_argument("--decode-prompts", type=at_least(0), default=4, help="held-out prompts spec_generate decodes at "
+                   "the end of the run, at T = 0 and T = 1 (0: none)")
+    g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines (each syncs with the "
+                   "host for its metrics)")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
     return p.parse_args(argv)
 
@@ -148,13 +150,12 @@ def step_inputs(target, tokens, layer_ids, max_anchors, seeds, features=None, ro
             features.features(target, ids, attn, rows))
     return dflash2.Batch(ids, attn, loss_mask, f, g, *data.row_anchors(loss_mask, max_anchors, seeds))
 
-def loss_config(args, vocab_size, accept_at=None):
+def loss_config(args, vocab_size):
     """The loss flags as dflash2.LossConfig (checked once), its chunk memory.train_loss_chunk's at the target's
-    vocabulary; accept_at: the acceptance metrics' setting."""
+    vocabulary."""
     labels, soft_labels_at = args.selector_labels
     return dflash2.LossConfig(loss_type=args.loss, gamma=GAMMA, alpha=ALPHA, selector_labels=labels,
-                              soft_labels_at=soft_labels_at, accept_at=accept_at,
-                              chunk_size=memory.train_loss_chunk(vocab_size))
+                              soft_labels_at=soft_labels_at, chunk_size=memory.train_loss_chunk(vocab_size))
 
 def compiled_loss(device, log):
     """dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count) where the device
@@ -206,6 +207,14 @@ def step_line(step, total, loss, s, lr, tokens_per_second, eta):
             f"{f('al_walk', '.2f')} oracle {f('al_oracle', '.2f')} | lr {lr:.2e} | {tokens_per_second:.0f} tok/s | "
             f"eta {int(eta // 60)}m{int(eta % 60):02d}s")
 
+def check_finite(step, loss, grad_norm):
+    """Stop before the update of a step whose loss or clipped gradient is not finite: the weights and the checkpoint
+    stay the last good step's."""
+    if not (torch.isfinite(loss) and torch.isfinite(grad_norm)):
+        raise RuntimeError(f"step {step}: loss {loss.item()} / gradient norm {grad_norm.item()} is not finite; "
+                           f"stopped before the update, no checkpoint written for it. Lower --lr or use --dtype "
+                           f"float32, then --resume from the last good checkpoint.")
+
 def lr_at(step, total, warmup, peak, floor):
     """Linear warmup over `warmup` steps, then cosine decay from peak to floor · peak."""
     if step < warmup:
@@ -241,9 +250,8 @@ def start_ranks():
 # -----------------------------------------------------------------------------
 # training
 
-def train(args, decode_prompts=EVAL_PROMPTS):
-    """The run of args -> {val, al_t0, al_t1, step, losses, out_dir, target}; decode_prompts: the held-out prompts
-    the final evaluation decodes (an entry point that decodes its own, the bench, passes 0)."""
+def train(args):
+    """The run of args -> {val, al_t0, al_t1, step, losses, out_dir, target}."""
     world, rank, device, log = start_ranks()
     master, resume_file = rank == 0, checkpoint.check_out_dir(args.out_dir, args.resume)
     # the target's tokenizer and config, the memory plan (a GPU), the rows and the drafter: every shape or data
@@ -289,7 +297,7 @@ def train(args, decode_prompts=EVAL_PROMPTS):
 
     losses, summary, t_start, t_log, n_tokens, start_step = {}, {}, time.time(), time.time(), 0, step
     while step < total:
-        micro_stats, logged = [], (step + 1) % LOG_EVERY == 0 or step + 1 == total  # metrics: host syncs
+        micro_stats, logged = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
             tokens, row_ids, seeds = micro_batch(step, micro)
             batch = step_inputs(target, tokens, c.target_layer_ids, args.max_anchors, seeds, features, row_ids)
@@ -302,11 +310,7 @@ def train(args, decode_prompts=EVAL_PROMPTS):
         step_loss = sum(torch.as_tensor(s["loss"], device=device) for s in micro_stats) / args.grad_accum
         if world > 1:  # the log line's loss: the global batch's
             step_loss = mean_over_ranks(step_loss)[0]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP)
-        if not (torch.isfinite(step_loss) and torch.isfinite(grad_norm)):
-            raise RuntimeError(f"step {step + 1}: loss {step_loss.item()} / gradient norm {grad_norm.item()} is not "
-                               f"finite; stopped before the update, no checkpoint written for it. Lower --lr or use "
-                               f"--dtype float32, then --resume from the last good checkpoint.")
+        check_finite(step + 1, step_loss, torch.nn.utils.clip_grad_norm_(params, GRAD_CLIP))
         lr = lr_at(step, total, warmup, args.lr, LR_FLOOR)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -326,8 +330,7 @@ def train(args, decode_prompts=EVAL_PROMPTS):
             checkpoint.save_checkpoint(drafter, optimizer, step, args.out_dir, export, meta)
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
             summary = metrics.evaluate(drafter, target, tokenizer, val, loss_cfg, args.batch_size, args.max_anchors,
-                                       args.seed, log, prompts=decode_prompts if step == total else 0,
-                                       max_new_tokens=EVAL_NEW_TOKENS)
+                                       args.seed, log, args.decode_prompts if step == total else 0, EVAL_NEW_TOKENS)
             checkpoint.record(args.out_dir, {"kind": "eval", "step": step, **summary["val"],
                                              **{k: v for k, v in summary.items() if k != "val"}})
             checkpoint.plot_curves(args.out_dir)

@@ -19,7 +19,7 @@ T = 0.7 / top-p 0.8 / top-k 20 (two more decoding passes of every drafter).
 
 python -m bench.ablation           # 3 seeds × 7 drafters, 64 prompts (over an hour on a 2-core CPU)
 python -m bench.ablation --quick   # a smoke run in about a minute
-Outputs in --out-dir (bench_out): results.json, results.md, per_slot_acceptance.png and,
+Outputs in --out (bench_out): results.json, results.md, per_slot_acceptance.png and,
 after each seed, ablation_so_far.md.
 """
 import argparse
@@ -35,7 +35,7 @@ import torch
 import dflash2
 from harness import checkpoint, metrics, tiny_world
 from harness.target import decoding_view
-from bench.common import ci_text, mean_ci, prompts_of, ratio_ci, slot_ci, validation_rows, write_results
+from bench.common import ci_text, mean_ci, prompts_of, quick_world, ratio_ci, slot_ci, validation_rows, write_results
 
 DRAFTERS = {  # the ablation: name -> train.py flags on top of the shared ones (the parts' sizes come from those)
     "DFlash": ["--conv-kernel-size", "0", "--selector-top-k", "0"],
@@ -81,13 +81,13 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.ablation", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="tiny budgets everywhere: a smoke run in about a minute")
-    p.add_argument("--out-dir", default="bench_out", help="where results.json, results.md and the plot go")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where results.json, results.md, the plot "
+                   "and the runs go")
     p.add_argument("--seeds", type=int, default=3, help="training seeds per variant")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=list(DRAFTERS),
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
-    p.add_argument("--steps", type=int, default=None, help="drafter training steps per variant (default: train.py's)")
-    p.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--block-size 16' or "
-                   "'--selector-top-k 64' (the parts' sizes)")
+    p.add_argument("--train-flags", default="", help="more train.py flags for every run, e.g. '--steps 600', "
+                   "'--block-size 16' or '--selector-top-k 64' (the parts' sizes)")
     p.add_argument("--eval-prompts", type=int, default=64, help="held-out prompts for spec_generate")
     p.add_argument("--eval-tokens", type=int, default=64, help="max_new_tokens per prompt")
     p.add_argument("--settings", type=parse_settings, default=[(0.0, 1.0, 0), (1.0, 1.0, 0), WRITE_UP],
@@ -164,10 +164,10 @@ def target_entropy(target, rows, setting):
 
 
 @torch.no_grad()
-def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None):
+def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=(1.0, 1.0, 0)):
     """train.py's validation metrics averaged over blocks (not batches), on at least
     min_blocks blocks: every further pass over the rows draws new anchors. The acceptance
-    metrics at the sampling setting accept_at (None: T = 1, no filter)."""
+    metrics at the sampling setting accept_at (T = 1, no filter, unless given)."""
     import train
     from harness.data import collate
     total, n_blocks, rounds = {}, 0, 0
@@ -177,10 +177,10 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=None)
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
             inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, targs.max_anchors, seeds)
             n = int(inputs.anchor_valid.sum())  # the blocks the loss draws
-            cfg = train.loss_config(targs, drafter.config.vocab_size, accept_at)
+            cfg = train.loss_config(targs, drafter.config.vocab_size)
             view = dflash2.target_view(drafter.config, target)
             _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
-            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms)
+            stats = metrics.step_stats(drafter, view, target, slots, cfg, terms, accept_at)
             for k, v in stats.items():
                 total[k] = [t + n * x for t, x in zip(total.get(k, [0] * len(v)), v)] if isinstance(v, list) \
                     else total.get(k, 0) + n * v
@@ -195,12 +195,11 @@ def ablation(args, settings):
     import transformers
     defaults = train.parse_args(shlex.split(args.train_flags))  # train.py's defaults, and the world it would build
     if args.quick:  # a barely trained target and few prompts: checks the plumbing, not the numbers
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        target_path, data_path = quick_world(args.cache_dir)
         base = ["--steps", "4", "--batch-size", "4", "--seq-len", "256",
                 "--drafter-config", '{"selector_rank": 16}']
     else:
-        target_path, data_path = tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS)
-        base = ["--steps", str(args.steps)] if args.steps else []
+        target_path, data_path, base = *tiny_world.tiny_world(args.cache_dir, tiny_world.PRETRAIN_STEPS), []
     val_size = 8 if args.quick else max(defaults.val_size, args.eval_prompts)
     base = ["--target", target_path, "--data", data_path, "--val-size", str(val_size), *base,
             *shlex.split(args.train_flags)]
@@ -245,9 +244,10 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
         for name in args.drafters:
             out = run_dir(args.out_dir, name, seed)
             resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
-            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume])
+            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume,
+                                                "--decode-prompts", "0"])  # the bench decodes its own prompts
             t0 = time.time()
-            train.train(run_args, decode_prompts=0)  # the bench decodes on its own prompts and settings
+            train.train(run_args)
             train_seconds = time.time() - t0
             paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
             val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)

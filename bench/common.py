@@ -1,7 +1,7 @@
 """
-What the bench's modules share: Qwen3 targets at real shapes with random weights, the
-held-out prompts of train.py's validation rows, interleaved median timing, and the
-two-level bootstrap (training seeds × prompts) behind every interval the bench reports.
+What the bench's modules share: Qwen3 targets at real shapes with random weights, the smoke
+runs' world, the held-out prompts of train.py's validation rows, interleaved median timing,
+and the two-level bootstrap (training seeds × prompts) behind every interval the bench reports.
 """
 import json
 import os
@@ -37,6 +37,13 @@ def random_target(seed=0, dtype=torch.float32, device="cpu", **shape):
             return Qwen3ForCausalLM(qwen3_config(**shape)).eval().requires_grad_(False)
     finally:
         torch.set_default_dtype(default)
+
+
+def quick_world(cache_dir):
+    """The smoke runs' tiny world (bench.ablation --quick, bench.gpu_check --cpu-smoke): a target barely
+    pretrained (5 steps), 32 training prompts answered in up to 24 tokens. -> (target path, data path)."""
+    from harness import tiny_world
+    return tiny_world.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
 
 
 # -----------------------------------------------------------------------------

@@ -14,10 +14,12 @@ What DFlash2's two parts cost, at real widths with random weights (nothing downl
           unchunked loss, measured in a fresh process and planned by memory.memory_plan.
 
 python -m bench.cost                 # all three parts: bench_out/cost.json, cost.md, memory.png
-python -m bench.cost --parts draft --device cuda --dtype bfloat16
+python -m bench.cost --parts draft --device cuda --draft-dtype bfloat16
 python -m bench.cost --quick         # a smoke run at small shapes
 """
 import argparse
+import ctypes
+import gc
 import json
 import os
 import platform
@@ -357,20 +359,26 @@ def _status(key):
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
 
 
-def _measure_child(spec):
-    """In a fresh process: build target and drafter, take two steps (the second has AdamW
-    state), print as JSON the peak RSS above the RSS left after a tiny warm-up run. The
-    peak is the kernel's high-water mark, reset after the warm-up (not ru_maxrss: that one
-    starts at the RSS of the parent the process was forked from)."""
+def _measure_child(specs):
+    """In a fresh process: tiny warm-up runs of every spec's code path, then for each spec in turn build target
+    and drafter and take two steps (the second has AdamW state); print as JSON, for each, the peak RSS above the
+    RSS before it. The peak is the kernel's high-water mark, reset before each spec once the memory of the ones
+    before is back with the system (not ru_maxrss: that one starts at the RSS of the parent the process was forked
+    from, and never goes down)."""
     torch.set_num_threads(1)
-    tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
-    warm = dict(spec, target=tiny, seq_len=16, max_anchors=2, batch_size=1, loss_chunk=spec["loss_chunk"] and 4)
-    _run(warm)  # lazy imports, kernel and thread-pool set-up are not the step's memory
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current RSS
-    base = _status("VmRSS")
-    seconds = _run(spec)
-    print(json.dumps({"peak": _status("VmHWM") - base, "seconds": seconds}))
+    for spec in specs:  # lazy imports, kernel and thread-pool set-up are not a step's memory
+        tiny = dict(spec["target"], hidden=32, intermediate=32, vocab=64, heads=2, kv_heads=1, head_dim=16)
+        _run(dict(spec, target=tiny, seq_len=16, max_anchors=2, batch_size=1, loss_chunk=spec["loss_chunk"] and 4))
+    peaks = []
+    for spec in specs:
+        gc.collect()
+        ctypes.CDLL(None).malloc_trim(0)  # glibc: the freed heap goes back to the system, out of the RSS
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        base = _status("VmRSS")
+        seconds = _run(spec)
+        peaks.append({"peak": _status("VmHWM") - base, "seconds": seconds})
+    print(json.dumps(peaks))
 
 
 def _run(spec):
@@ -387,18 +395,21 @@ def _run(spec):
     return (time.perf_counter() - start) / 2
 
 
-def measure_peak(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False):
-    """Peak CPU memory (bytes above the interpreter's own) of training steps at this shape,
-    in a subprocess with malloc returning every large block to the system on free, so peak
-    RSS is peak allocation. target: random_target's arguments; drafter: DFlash2Config
-    overrides. -> {"peak": bytes, "seconds": per step}."""
-    spec = dict(target=target, drafter=drafter, seq_len=seq_len, max_anchors=max_anchors, batch_size=batch_size,
+def peak_spec(target, drafter, seq_len, max_anchors, batch_size=1, loss_chunk=1024, grad_checkpoint=False):
+    """A shape measure_peaks measures. target: random_target's arguments; drafter: DFlash2Config overrides."""
+    return dict(target=target, drafter=drafter, seq_len=seq_len, max_anchors=max_anchors, batch_size=batch_size,
                 loss_chunk=loss_chunk, grad_checkpoint=grad_checkpoint)
+
+
+def measure_peaks(specs):
+    """Peak CPU memory (bytes above the interpreter's own) of training steps at each peak_spec, one after the
+    other in one subprocess with malloc returning every large block to the system on free, so peak RSS is peak
+    allocation. -> [{"peak": bytes, "seconds": per step}], one per spec."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1"}
-    code = f"import json; from bench import cost; cost._measure_child(json.loads({json.dumps(json.dumps(spec))}))"
+    code = f"import json; from bench import cost; cost._measure_child(json.loads({json.dumps(json.dumps(specs))}))"
     out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True)
     if out.returncode:
-        raise RuntimeError(f"memory measurement failed ({spec}):\n{out.stderr[-2000:]}")
+        raise RuntimeError(f"memory measurement failed ({specs}):\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -409,15 +420,13 @@ def memory_table(anchors=(64, 128, 256, 512), vocab=151936, hidden=64, seq_len=1
     -> {"shape", "rows": [{anchors, measured and planned MiB, chunked and unchunked}]}."""
     target = dict(hidden=hidden, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=2 * hidden, vocab=vocab)
     drafter = dict(num_layers=1, block_size=block_size, selector_rank=32, conv_group_size=16)
-    rows = []
-    for n in anchors:
-        row = {"anchors": n}
-        for name, chunk in (("chunked", loss_chunk), ("unchunked", None)):
-            row[f"{name}_mib"] = measure_peak(target, drafter, seq_len, n, loss_chunk=chunk)["peak"] / 2 ** 20
-            plan = memory_plan(qwen3_config(**target), seq_len, n, loss_chunk=chunk, amp=False, target_bytes=4,
-                               **drafter)
-            row[f"{name}_plan_mib"] = plan["peak"] / 2 ** 20
-        rows.append(row)
+    cases = [(n, name, chunk) for n in anchors for name, chunk in (("chunked", loss_chunk), ("unchunked", None))]
+    peaks = measure_peaks([peak_spec(target, drafter, seq_len, n, loss_chunk=chunk) for n, _, chunk in cases])
+    rows = {n: {"anchors": n} for n in anchors}
+    for (n, name, chunk), measured in zip(cases, peaks):
+        plan = memory_plan(qwen3_config(**target), seq_len, n, loss_chunk=chunk, amp=False, target_bytes=4, **drafter)
+        rows[n].update({f"{name}_mib": measured["peak"] / 2 ** 20, f"{name}_plan_mib": plan["peak"] / 2 ** 20})
+    rows = list(rows.values())
     return {"shape": dict(vocab=vocab, hidden=hidden, seq_len=seq_len, block_size=block_size, loss_chunk=loss_chunk),
             "rows": rows}
 
@@ -495,10 +504,10 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--parts", type=lambda s: s.split(","), default=list(PARTS),
                    help=f"comma-separated subset of: {', '.join(PARTS)}")
-    p.add_argument("--out-dir", default="bench_out", help="where cost.json, cost.md and memory.png go")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where cost.json, cost.md and memory.png go")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                    help="device of the draft and training steps (the memory table is the CPU's)")
-    p.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
+    p.add_argument("--draft-dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
                    choices=["float32", "bfloat16", "float16"], help="weights of the draft step")
     p.add_argument("--repeats", type=int, default=20, help="timed rounds of the draft and training steps (medians)")
     p.add_argument("--train-repeats", type=int, default=3, help="timed rounds of the training steps (medians)")
@@ -528,7 +537,7 @@ def main(args):
     os.makedirs(args.out_dir, exist_ok=True)
     repeats, results, t0 = 1 if args.quick else args.repeats, {}, time.time()
     if "draft" in args.parts:
-        results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.dtype),
+        results["draft"] = draft_part(torch.device(args.device), getattr(torch, args.draft_dtype),
                                       min(args.context, 64) if args.quick else args.context, repeats, args.quick)
     if "train" in args.parts:
         results["train"] = train_part(torch.device(args.device), 1 if args.quick else args.train_repeats, args.quick)

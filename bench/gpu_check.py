@@ -15,7 +15,7 @@ plans 62 GiB), sized to finish in under 8 minutes on an H200. Three parts:
   draft step  bf16 draft-step latency of DFlash and DFlash2 at the Qwen3-4B shape
               (bench.cost's draft step), the walk's share of it, and the weight-bytes floor.
 
-It prints one table and writes gpu_check.json to --out-dir after each part; a part that
+It prints one table and writes gpu_check.json to --out after each part; a part that
 fails is recorded with its error and the others still run. It exits with status 1 if a
 part failed or spec_generate's greedy output differs from the target's.
 --cpu-smoke (automatic without CUDA) runs the same code on the CPU at small shapes: seconds
@@ -35,7 +35,7 @@ import torch
 
 import dflash2
 from harness import checkpoint, tiny_world
-from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, random_target, validation_rows
+from bench.common import QWEN3_4B, QWEN3_8B, prompts_of, quick_world, random_target, validation_rows
 from bench.cost import draft_part, train_step_cost, variant_drafters
 from harness.memory import GiB, memory_plan, sizing_config
 
@@ -51,16 +51,16 @@ def pipeline(device, cache_dir, smoke, prompts=8, max_new_tokens=96):
     import train
     import transformers
     if smoke:
-        world = tiny_world.tiny_world(cache_dir, 5, train_prompts=32, max_new_tokens=24)
+        world = quick_world(cache_dir)
         flags = ["--steps", "4", "--batch-size", "4", "--seq-len", "256", "--drafter-config", '{"selector_rank": 16}',
-                 "--val-size", "8"]
+                 "--val-size", "8", "--decode-prompts", "1"]
         prompts, max_new_tokens = 2, 16
     else:
         world, flags = tiny_world.tiny_world(cache_dir, tiny_world.PRETRAIN_STEPS), []
     with tempfile.TemporaryDirectory() as out:  # the run's files are not the check's output
         args = train.parse_args(["--target", world[0], "--data", world[1], "--out-dir", out, *flags])
         t0 = time.time()
-        summary = train.train(args, decode_prompts=1 if smoke else train.EVAL_PROMPTS)
+        summary = train.train(args)
         train_seconds = time.time() - t0
         drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).to(device).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(args.target)
@@ -160,7 +160,7 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu-smoke", action="store_true", help="small shapes on the CPU (automatic without CUDA; "
                    "train.py still picks its own device)")
-    p.add_argument("--out-dir", default="bench_out", help="where gpu_check.json goes")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where gpu_check.json goes")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="train.py's offline-world cache")
     return p.parse_args(argv)

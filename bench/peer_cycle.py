@@ -110,7 +110,7 @@ def parse_args(argv=None):
     p.add_argument("--export", required=True, help="a drafter export in the z-lab format (train.py's checkpoint/)")
     p.add_argument("--prompts", type=int, default=32, help="HumanEval prompts, the first ones")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--out-dir", default="bench_out")
+    p.add_argument("--out", dest="out_dir", default="bench_out", help="where peer_cycle.json and .md go")
     args = p.parse_args(argv)
     for name in ("prompts", "max_new_tokens"):
         if getattr(args, name) < 1:

@@ -423,7 +423,8 @@ def parse_args(argv=None):
     p.add_argument("--decoding-dtypes", action="store_true", help="only what verifying costs in float32 and bf16 "
                    "(a k-token target forward, k = 1 ... DECODE_BLOCK) and whether bf16 verification keeps the "
                    "target's greedy tokens, on --wall-prompts HumanEval prompts")
-    p.add_argument("--out-dir", default="bench_out/real", help="where results.json, results.md and the plot go")
+    p.add_argument("--out", dest="out_dir", default="bench_out/real", help="where results.json, results.md, the "
+                   "plots and the runs go")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
                    help="where the real world is built and cached")
     p.add_argument("--train-prompts", type=int, default=0,

@@ -39,14 +39,16 @@ def metric_hits(drafter, view, h, g, prev, accept_at):
 
 
 @torch.no_grad()
-def dflash2_metrics(drafter, view, slots, cfg=None):
-    """The §6 metrics of the slots dflash2_loss returned, as floats, at cfg.accept_at (None: T = 1, no filter), a
-    chunk of whole blocks at a time (the walk runs along a block); an uncounted slot ends an acceptance run."""
+def dflash2_metrics(drafter, view, slots, cfg=None, accept_at=(1.0, 1.0, 0)):
+    """The §6 metrics of the slots dflash2_loss returned (cfg: its LossConfig, for the chunk size), as floats, the
+    acceptance metrics at the sampling setting accept_at = (T, top_p, top_k), a chunk of whole blocks at a time (the
+    walk runs along a block); an uncounted slot ends an acceptance run."""
+    dflash2.check_law_setting("accept_at", accept_at)
     cfg, counted = cfg or dflash2.LossConfig(), slots.counted
     flat = [x.detach().flatten(0, 1) for x in (slots.h, slots.g, slots.prev)]
     M = len(flat[0])
     size = M if cfg.chunk_size is None else max(1, cfg.chunk_size // counted.shape[-1])
-    parts = [metric_hits(drafter, view, *(x[i:i + size] for x in flat), cfg.accept_at or (1.0, 1.0, 0))
+    parts = [metric_hits(drafter, view, *(x[i:i + size] for x in flat), accept_at)
              for i in range(0, M, size)]
     hit = {k: torch.cat([p[k] for p in parts]).view_as(counted) for k in parts[0]}
     blocks, n_blocks = counted[..., 0], counted[..., 0].sum().clamp(min=1)
@@ -97,10 +99,11 @@ def decoding_eval(drafter, target, tokenizer, prompts, max_new_tokens, seed, log
 # a batch's stats, the evaluation of a run
 
 
-def step_stats(drafter, view, target, slots, cfg, terms):
-    """A logged batch's stats, floats: the loss terms and the §6 metrics of the loss's own slots (host syncs)."""
+def step_stats(drafter, view, target, slots, cfg, terms, accept_at=(1.0, 1.0, 0)):
+    """A logged batch's stats, floats: the loss terms and the §6 metrics of the loss's own slots (host syncs), the
+    acceptance metrics at accept_at."""
     with below_float32(target):
-        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, view, slots, cfg)
+        return {k: v.item() for k, v in terms.items()} | dflash2_metrics(drafter, view, slots, cfg, accept_at)
 
 
 def mean_stats(all_stats):

@@ -818,10 +818,10 @@ def put_losses(put, drafter, target, batch, inp):
         batch["input_ids"][rows], batch["attention_mask"][rows], batch["loss_mask"][rows], inp["ctx_features"][rows],
         inp["hidden_states"][-1][rows], anchors[rows], valid[rows])
 
-    def loss(**kw):
+    def loss(accept_at=(1.0, 1.0, 0), **kw):
         cfg = dflash2.LossConfig(**kw)
         value, stats, slots = dflash2.dflash2_loss(drafter, view, plain(), cfg)
-        return value, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
+        return value, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg, accept_at)
 
     cases = {"kl": ({}, "L_unary with ℓ_kl + α·L_sel with argmax labels, α = 1, γ = the default (training's default)"),
              "ce": (dict(loss_type="ce"), "ℓ_ce instead of ℓ_kl"),

@@ -21,6 +21,7 @@ import dflash2
 from harness import tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, real
 from conftest import tiny_qwen3
+from tests.conftest import small_world
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -28,8 +29,13 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    """One offline-world cache for the smoke runs: the quick world is built once."""
-    return str(tmp_path_factory.mktemp("cache"))
+    """One offline-world cache for the smoke runs: their quick world, built once and small (tests/conftest.py's
+    small_world): they check the plumbing, which does not depend on the world's size."""
+    cache = str(tmp_path_factory.mktemp("cache"))
+    with pytest.MonkeyPatch.context() as m:
+        small_world(m)
+        common.quick_world(cache)
+    return cache
 
 
 @pytest.fixture
@@ -259,7 +265,7 @@ def test_malformed_settings_exit_naming_the_flag(text, capsys):
 def test_ablation_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     monkeypatch.setattr(ablation, "ablation", lambda *a: pytest.fail("the ablation started"))
     with pytest.raises(ValueError, match=flag[0]):
-        ablation.main(ablation.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+        ablation.main(ablation.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -269,7 +275,7 @@ def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     for part in ("draft_part", "train_part", "memory_table"):
         monkeypatch.setattr(cost, part, lambda *a, **k: pytest.fail("a part started"))
     with pytest.raises(ValueError, match=flag[0]):
-        cost.main(cost.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+        cost.main(cost.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -534,7 +540,7 @@ def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch
     monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
     for flag in (["--train-prompts", "-1"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
         with pytest.raises(ValueError, match=flag[0]):
-            real.main(real.parse_args(flag + ["--out-dir", str(tmp_path / "out")]))
+            real.main(real.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
 
 
@@ -594,7 +600,7 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
     cycles that accept each draft position), its cycles never commit more than draft length + 1 tokens,
     and the break-even AL is the cycle over the plain step. A spec_generate output that differs stops the
     run with the prompt's index; a transformers decoder that differs is counted."""
-    from conftest import tiny_drafter
+    from tests.conftest import tiny_drafter
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
@@ -664,7 +670,7 @@ def test_wall_clocks_plain_step_is_a_decoding_forward_without_the_prefill(monkey
     """On a clock where a target forward takes one second per token it reads (so a 4-token
     prefill takes 4), the plain step wall_clock reports is one second: the decoding forwards it
     timed, over their number, the prefill left out of both."""
-    from conftest import tiny_drafter
+    from tests.conftest import tiny_drafter
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     clock = [0.0]
@@ -686,7 +692,7 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
     out = tmp_path / "bench"
     served = ablation.LABEL_OPTIONS[-1]  # soft labels at the write-up's setting: the most flags of a label option
     drafters = ["DFlash", "+conv", "DFlash2", served]  # no selector, a partial variant, the default, a label option
-    results = ablation.main(ablation.parse_args(["--quick", "--out-dir", str(out), "--cache-dir", cache_dir,
+    results = ablation.main(ablation.parse_args(["--quick", "--out", str(out), "--cache-dir", cache_dir,
                                                  "--drafters", ",".join(drafters)]))
     saved = json.loads((out / "results.json").read_text())
     assert saved["summary"] == json.loads(json.dumps(results["summary"])) and "wall_seconds" in saved, sorted(saved)
@@ -719,8 +725,8 @@ def test_ablation_quick_runs_end_to_end(tmp_path, cache_dir, train_on_one_thread
 
 def test_cost_quick_runs_end_to_end(tmp_path):
     out = tmp_path / "cost"
-    results = cost.main(cost.parse_args(["--quick", "--parts", "draft,train", "--out-dir", str(out),
-                                         "--device", "cpu", "--dtype", "float32"]))
+    results = cost.main(cost.parse_args(["--quick", "--parts", "draft,train", "--out", str(out),
+                                         "--device", "cpu", "--draft-dtype", "float32"]))
     saved = json.loads((out / "cost.json").read_text())
     assert set(saved) == {"draft", "train", "wall_seconds"}, sorted(saved)
     variants = results["draft"]["variants"]
@@ -767,7 +773,7 @@ def test_profile_parts_put_each_op_where_its_time_belongs():
 
 
 def test_gpu_check_cpu_smoke_runs_green(tmp_path, cache_dir, train_on_one_thread):
-    results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path), "--cache-dir",
+    results = gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out", str(tmp_path), "--cache-dir",
                                                    cache_dir]))
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert set(saved) == {"device", "pipeline", "Qwen3-4B", "Qwen3-8B", "draft_step", "seconds"}, sorted(saved)
@@ -793,7 +799,7 @@ def test_gpu_check_records_a_failed_part_and_runs_the_others(tmp_path, monkeypat
         "shape": {"dtype": "float32", "context": 64},
         "variants": {"DFlash": variant, "DFlash2": variant, "walk alone": {"ms": 0.5}}})
     with pytest.raises(SystemExit, match=r"failed: \['pipeline'\]"):
-        gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out-dir", str(tmp_path)]))
+        gpu_check.main(gpu_check.parse_args(["--cpu-smoke", "--out", str(tmp_path)]))
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved["pipeline"] == {"error": "RuntimeError: no world"} and saved["Qwen3-8B"]["plain"] == step, saved
     out = capsys.readouterr().out

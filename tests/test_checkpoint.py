@@ -4,7 +4,8 @@ keys), round trips that draft the same tokens, the export dtype, exports of draf
 off, DFlash (v1) checkpoints and the warm start from them, vllm-project speculators' format (read
 from a config written here from its field list, written, refused), and what the loader refuses:
 fields dflash2.py does not implement, malformed folders, pickled weights; a crash mid-save leaves
-nothing half-written. Tiny random targets from transformers.Qwen3Config, nothing downloaded.
+nothing half-written; the export job (python -m harness.checkpoint) and the serving commands it prints.
+Tiny random targets from transformers.Qwen3Config, nothing downloaded.
 """
 import dataclasses
 import json
@@ -19,7 +20,9 @@ import torch
 import transformers
 
 from harness import checkpoint
-from conftest import tiny_drafter, tiny_qwen3
+from conftest import tiny_qwen3
+from harness.target import load_config, load_tokenizer
+from tests.conftest import tiny_drafter
 from dflash2 import DFlash2Drafter, context_features, spec_generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -577,12 +580,20 @@ def test_config_fields_dflash2_does_not_implement_are_refused(tmp_path, saved_ch
 
 
 def test_unimplemented_config_fields_at_their_plain_values_load(tmp_path, saved_checkpoint):
+    """The refused fields at the values that ask for nothing dflash2.py lacks load as the export without them:
+    the same config, field by field, and the same tensors."""
     path = tmp_path / "ckpt"
     shutil.copytree(saved_checkpoint, path)
     plain = {"output_multiplier": 1.0, "final_logit_softcapping": None, "layer_types": ["full_attention"] * 2,
              "use_sliding_window": False, "sliding_window": 4096, "is_causal": False, "hidden_act": "silu"}
     edit_config(path, lambda c: c.update(plain))
-    checkpoint.load_export(path)
+    got, want = checkpoint.load_export(path), checkpoint.load_export(saved_checkpoint)
+    fields, base = dataclasses.asdict(got.config), dataclasses.asdict(want.config)
+    assert fields == base, f"with {plain} the config loads {({k: v for k, v in fields.items() if base[k] != v})}, " \
+        f"without them {({k: v for k, v in base.items() if fields[k] != v})}"
+    state, saved = got.state_dict(), want.state_dict()
+    assert state.keys() == saved.keys() and all(torch.equal(state[k], saved[k]) for k in saved), \
+        f"with {plain} the tensors {sorted(state)} load otherwise than {sorted(saved)}"
 
 
 def test_a_z_lab_config_with_the_view_fields_at_its_top_level_loads_them(tmp_path, saved_checkpoint):
@@ -686,8 +697,9 @@ def target_folders(tmp_path_factory, target):
     return folders
 
 
-def export_job(*flags):
-    return checkpoint.main(checkpoint.parse_args([str(f) for f in flags]), log=lambda line: None)
+def export_job(*flags, log=lambda line: None):
+    """python -m harness.checkpoint with these flags, its lines to log -> the export's path."""
+    return checkpoint.main(checkpoint.parse_args([str(f) for f in flags]), log=log)
 
 
 def test_the_export_job_writes_the_dtype_asked_for(tmp_path, target_folders, saved_checkpoint):
@@ -706,6 +718,71 @@ def test_the_export_job_writes_the_dtype_asked_for(tmp_path, target_folders, sav
         for k, v in saved.items() if "--from" in flags else ():
             assert torch.equal(tensors[k], v.to(dtype)), \
                 f"{flags}: {k} is {(tensors[k].double() - v.double()).abs().max():.3g} off the export's {dtype} value"
+
+
+def test_speculators_export_names_the_target_and_init_from_reads_it_back(world, tmp_path):
+    """checkpoint.py --format speculators: config.json names --target as the verifier (vLLM serves the
+    folder alone), the job prints that command, and --init-from (build_drafter) reads the export back, its
+    architecture winning over the drafter flags."""
+    out, printed = tmp_path / "dry", []
+    export_job("--target", world["target"], "--out", out, "--num-layers", "1", "--format", "speculators",
+               log=printed.append)
+    config = json.loads((out / "config.json").read_text())
+    verifier = config["speculators_config"]["verifier"]
+    assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
+        f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
+    assert f"vllm serve {out.absolute()}" in printed, printed
+    config = load_config(world["target"])
+    drafter = checkpoint.build_drafter(config, load_tokenizer(world["target"]), {"num_layers": 2}, init_from=str(out),
+                                       log=printed.append)
+    exported = checkpoint.load_export(out, num_target_layers=config.num_hidden_layers).state_dict()
+    same = all(torch.equal(v, exported[k]) for k, v in drafter.state_dict().items())
+    assert drafter.config.num_layers == 1 and same, f"--init-from a 1-layer speculators export built {drafter.config}" \
+        f"{'' if same else ' with other weights'}"
+
+
+def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_target_load):
+    """checkpoint.py without --from reads the target's config and tokenizer only (no weights) and writes
+    the export of the drafter shape the flags ask for, which loads back with that shape; it
+    prints each engine's command with this export's path and block size (vLLM: B - 1)."""
+    out, printed = tmp_path / "dry", []
+    export_job("--target", world["target"], "--out", out, "--block-size", "6", "--num-layers", "1",
+               "--drafter-config", '{"selector_rank": 8}', log=printed.append)
+    drafter = checkpoint.load_export(out)
+    target = transformers.AutoConfig.from_pretrained(world["target"])
+    c = drafter.config
+    assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
+        (6, 1, 8, target.hidden_size, target.num_hidden_layers), f"exported shape {c}"
+    path = str(out.absolute())
+    for engine, count in (("vllm serve", '"num_speculative_tokens": 5'), ("sglang.launch_server",
+                                                                         "--speculative-num-draft-tokens 6"),
+                          ("dflash generate", "--draft")):
+        line = next((l for l in printed if engine in l), "")
+        assert path in line and count in line, f"{engine}: {line!r} lacks {path} or {count}\n{printed}"
+
+
+def test_an_untrained_factored_export_is_loadable(world, tmp_path, no_target_load):
+    """The untrained export with factored codebooks: no target weights to build the tables from, so it
+    holds free tables at their init (a zero successor codebook: the untrained selector's scores)."""
+    out = tmp_path / "dry"
+    export_job("--target", world["target"], "--out", out, "--num-layers", "1", "--drafter-config",
+               '{"selector_rank": 8, "selector_codebooks": "factored"}')
+    drafter = checkpoint.load_export(out)
+    c, target = drafter.config, transformers.AutoConfig.from_pretrained(world["target"])
+    assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
+    successor = drafter.state_dict()["candidate_selector.successor_codebook"]
+    assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
+
+
+def test_a_sliding_window_export_has_the_layer_types_asked_for(world, tmp_path, no_target_load):
+    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
+    window = json.dumps({"sliding_window": 64, "layer_types": layer_types})
+    export_job("--target", world["target"], "--out", tmp_path / "dry", "--num-layers", "3", "--drafter-config", window)
+    c = checkpoint.load_export(tmp_path / "dry").config
+    assert (c.layer_types, c.sliding_window) == (layer_types, 64), c
+    with pytest.raises(ValueError, match=r"layer_types has 3 entries for num_layers = 2"):
+        export_job("--target", world["target"], "--out", tmp_path / "bad", "--num-layers", "2", "--drafter-config",
+                   window)
 
 
 @pytest.mark.parametrize("other, differs", [("wider", "hidden_size 32 but the target has 64"),

@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from conftest import (argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward, replace_q,
-                      tiny_drafter, tiny_qwen3)
+                      tiny_qwen3)
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
+from tests.conftest import tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -31,6 +31,8 @@ INPUTS = ("rules.num_target_layers", "rules.block_sizes", "anchors.loss_mask", "
           "stop.logits", "stop.ctx_features", "short.max_new_tokens", "short.logits", "short.ctx_features", "grad.")
 UNIFORMS = ("u_first", "u_walk", "u_accept", "u_bonus")
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # one thread, as the set was computed
+
 
 def difference(got, want, tol):
     """None if got matches want (integers and booleans exactly, floats to tol·max|want|), else

@@ -16,7 +16,8 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import dflash2
 from harness import checkpoint, memory
-from conftest import chi_square_pvalue, replace_q, tiny_drafter, tiny_qwen3
+from conftest import chi_square_pvalue, replace_q, tiny_qwen3
+from tests.conftest import tiny_drafter
 from harness.target import drafter_config
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -206,10 +207,9 @@ def test_train_takes_steps_on_cuda(tmp_path, capsys, monkeypatch, grad_checkpoin
     (tmp_path / "data.jsonl").write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
     flags = ["--target", str(tmp_path / "target"), "--data", str(tmp_path / "data.jsonl"), "--out-dir",
              str(tmp_path / "out"), "--seq-len", "192", "--batch-size", "2", "--max-anchors", "6", "--val-size", "4",
-             "--drafter-config", '{"selector_rank": 8}', "--steps", "2"]
+             "--drafter-config", '{"selector_rank": 8}', "--steps", "2", "--decode-prompts", "1"]
     monkeypatch.setattr(memory, "fitting_plan", lambda *a: grad_checkpoint)
-    monkeypatch.setattr(train, "EVAL_NEW_TOKENS", 8)
-    summary = train.train(train.parse_args(flags), decode_prompts=1)
+    summary = train.train(train.parse_args(flags))
     assert "1 rank(s) on cuda" in capsys.readouterr().out, "train.py did not run on the GPU"
     assert len(summary["losses"]) == 2 and all(math.isfinite(l) for l in summary["losses"].values()), summary["losses"]
     assert summary["al_t0"] >= 1 and summary["al_t1"] >= 1, summary

@@ -38,7 +38,8 @@ def test_plan_matches_measured_peak(tmp_path):
     assert f"| 256 | {rows[1]['chunked_mib']:.0f} ({rows[1]['chunked_plan_mib']:.0f}) |" in report, report
     target = dict(hidden=64, layers=2, heads=2, kv_heads=1, head_dim=32, intermediate=128, vocab=16384)
     drafter = dict(num_layers=2, block_size=4, selector_rank=32, conv_group_size=16)
-    measured = cost.measure_peak(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)["peak"]
+    spec = cost.peak_spec(target, drafter, 512, 256, loss_chunk=64, grad_checkpoint=True)
+    measured = cost.measure_peaks([spec])[0]["peak"]
     plan = memory.memory_plan(qwen3_config(**target), 512, 256, loss_chunk=64, grad_checkpoint=True, amp=False,
                               target_bytes=4, **drafter)["peak"]
     pairs = [(f"{n} anchors {name}", r[f"{name}_plan_mib"], r[f"{name}_mib"])

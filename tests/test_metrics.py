@@ -1,6 +1,6 @@
 """Tests of harness/metrics.py (ALGORITHM.md §6): the metrics of a training batch, read off the loss's own
 slots, against loops over the counted slots, on test_dflash2.py's tiny random target, drafter, batch
-and loop references, and the end-of-run decoding; nothing is downloaded.
+and loop references (conftest.py's), and the end-of-run decoding; nothing is downloaded.
 Run: python -m pytest tests/test_metrics.py -q
 """
 from types import SimpleNamespace
@@ -10,12 +10,11 @@ import torch
 import torch.nn.functional as F
 
 import dflash2
-from conftest import argmax_loop
+from conftest import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, argmax_loop, counted_slots, echo_forward,
+                      float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
+                      ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
 from dflash2 import LossConfig, block_layout, dflash2_loss, target_view
 from harness.metrics import decoding_eval, dflash2_metrics, expected_acceptance_length
-from test_dflash2 import (ANCHORS, B, H, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
-                          float64_scores, loss_batch, make_batch, make_drafter, make_target, ref_edge_score,
-                          ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -30,12 +29,13 @@ def batch(target):
     return make_batch(target)
 
 
-def loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig()):
-    """dflash2_loss and dflash2_metrics (of the loss's own slots) of a batch: (L, its stats as floats with the
-    §6 metrics)."""
+def loss_and_metrics(drafter, target, batch, anchors=ANCHORS, anchor_valid=VALID, cfg=LossConfig(),
+                     accept_at=(1.0, 1.0, 0)):
+    """dflash2_loss and dflash2_metrics (of the loss's own slots, the acceptance metrics at accept_at) of a batch:
+    (L, its stats as floats with the §6 metrics)."""
     view = target_view(drafter.config, target)
     loss, stats, slots = dflash2_loss(drafter, view, loss_batch(batch, anchors, anchor_valid), cfg)
-    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg)
+    return loss, {k: v.item() for k, v in stats.items()} | dflash2_metrics(drafter, view, slots, cfg, accept_at)
 
 
 def leading_run(hits):
@@ -85,12 +85,12 @@ def test_a_drafter_that_outputs_the_target_state_at_a_plus_k_minus_1_is_always_r
     assert stats["slot_acc"] == [1.0] * (B - 1), f"aligned drafter has slot accuracy {stats['slot_acc']}"
 
 
-@pytest.mark.parametrize("accept_at", [None, SERVED])
+@pytest.mark.parametrize("accept_at", [(1.0, 1.0, 0), SERVED], ids=["T=1", "served"])
 def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
     """§6 metrics against loops over the counted slots, on a stand-in drafter that is right
     about half the time, so that no metric is trivially 0 or 1. The anchors include blocks
     whose slot 1 is not counted (8, 18 and the padding) and blocks cut short by the end.
-    The acceptance metrics at T = 1 unfiltered (None) and at a setting whose filters cut."""
+    The acceptance metrics at T = 1 unfiltered (the default) and at a setting whose filters cut."""
     drafter = make_drafter()
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -110,8 +110,8 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
     unary = target.lm_head(h[:, :, 1:])
     batch, logits = with_last_hidden(batch, G), target.lm_head(G)
     stats = loss_and_metrics(drafter, target, batch, anchors=anchors, anchor_valid=valid,
-                             cfg=LossConfig(accept_at=accept_at))[1]
-    temperature, top_p, top_k = accept_at or (1.0, 1.0, 0)
+                             accept_at=accept_at)[1]
+    temperature, top_p, top_k = accept_at
 
     sel, slots = drafter.candidate_selector, counted_slots(batch, anchors, valid)
     hits = {name: {} for name in ("unary", "oracle", "tf", "walk")}
@@ -154,6 +154,15 @@ def test_metrics_equal_loops(target, batch, monkeypatch, accept_at):
         and stats["al_unary"] not in (stats["al_walk"], stats["al_oracle"]) \
         and 0 < stats["accept_selector"] < stats["mass_at_k"] < 1, \
         f"metrics too degenerate to tell a wrong one from a right one: {stats}"
+
+
+@pytest.mark.parametrize("accept_at, message", [
+    ((1.0, 0.0, 20), r"accept_at \(1.0, 0.0, 20\): top_p \(0.0\) must be in \(0, 1\]"),
+    ((1.0, 1.0, 2.5), r"accept_at \(1.0, 1.0, 2.5\): top_k \(2.5\) must be an integer"),
+    ((0.0, 1.0, 0), r"accept_at \(0.0, 1.0, 0\): temperature must be > 0")])
+def test_metrics_refuse_an_acceptance_setting_without_a_law(target, batch, accept_at, message):
+    with pytest.raises(ValueError, match=message):
+        loss_and_metrics(make_drafter(), target, batch, accept_at=accept_at)
 
 
 def test_metrics_do_not_depend_on_chunk_size_or_grad_checkpoint(target, batch, monkeypatch):

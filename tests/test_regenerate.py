@@ -1,16 +1,21 @@
 """Tests of harness/regenerate.py: on-policy answers are the target's own greedy (or seeded)
-continuations, resumable files, prompt-only rows. A tiny random target and a byte-level
-tokenizer built on the spot; no downloads, CPU only."""
+continuations, resumable files, prompt-only rows, and the job `python -m harness.regenerate` on a
+saved target (tests/conftest.py's world). A tiny random target and a byte-level tokenizer built on
+the spot; no downloads, CPU only."""
 import itertools
 import json
 import math
+import re
 
+import datasets
 import pytest
 import torch
 import transformers
 
 from harness import regenerate, tiny_world
 from conftest import plain_greedy, tiny_qwen3
+from harness.target import load_tokenizer
+from tests.conftest import CONVERSATION, write_jsonl
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -329,6 +334,85 @@ def test_regenerate_refuses_bad_sampling_settings(target, bad):
     name, value = next(iter(bad.items()))
     with pytest.raises(ValueError, match=rf"^{name} \({value!r}\) must be"):
         regenerate.regenerate_conversations(model, tokenizer, CHATS, **bad)
+
+
+@pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--top-k", "1"]])
+def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampling):
+    """Greedy, and sampled at top-k 1 (the flags reach the sampler: unfiltered, T = 1 draws others)."""
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
+    regenerate.main(regenerate.parse_args(["--target", world["target"], "--data", data, "--out",
+                                           str(tmp_path / "out.jsonl"), "--max-new-tokens", "12", *sampling]),
+                    log=lambda *a: None)
+    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    tokenizer = load_tokenizer(world["target"], None)
+    model = transformers.AutoModelForCausalLM.from_pretrained(world["target"]).eval()
+    want, _ = plain_greedy(model, tokenizer, CONVERSATION[:1], 12)
+    assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
+                                  for r in rows), f"regenerated {rows} ({sampling}), the target's greedy answer is " \
+                                                  f"{want!r}"
+
+
+def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatch):
+    """--data-split reaches the regeneration itself, not only the check before the weights load:
+    a hub dataset's "validation" rows are the ones regenerated."""
+    splits = {name: [{"messages": [{"role": "user", "content": f"{name} prompt {i}"}]} for i in range(2)]
+              for name in ("train", "validation")}
+    asked = []
+    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append(split) or splits[split])
+    out = tmp_path / "out.jsonl"
+    regenerate.main(regenerate.parse_args(["--target", world["target"], "--data", "someone/chats",
+                                           "--data-split", "validation", "--out", str(out),
+                                           "--max-new-tokens", "2"]),
+                    log=lambda *a: None)
+    prompts = [json.loads(line)["messages"][0]["content"] for line in out.read_text().split("\n")[:-1]]
+    assert prompts == ["validation prompt 0", "validation prompt 1"], f"regenerated {prompts} (splits read: {asked})"
+    assert set(asked) == {"validation"}, f"splits read: {asked}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--out", None], "needs --target (who answers), --data (the conversations) and --out"),
+    (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
+    (["--temperature", "-1"], "temperature (-1.0) must be a finite number >= 0"),
+    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
+    (["--chat-template-kwargs", "{nope"], "--chat-template-kwargs"),
+])
+def test_regenerate_refuses_bad_flags_before_the_target_loads(world, tmp_path, monkeypatch, flags, message):
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}])
+    monkeypatch.setattr(regenerate, "load_target", lambda *a: pytest.fail("the target loaded"))
+    argv = ["--target", world["target"], "--data", data, "--out", str(tmp_path / "out.jsonl")]
+    if flags[1] is None:
+        argv = argv[:argv.index(flags[0])]
+    else:
+        argv += flags
+    with pytest.raises(ValueError, match=re.escape(message)):
+        regenerate.main(regenerate.parse_args(argv), log=lambda *a: None)
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkeypatch):
+    """At T > 0 every draw takes a generator (seeded from --seed): two runs with the same seed
+    write the same file, another seed writes another."""
+    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 3)
+    sample, generators = regenerate.dflash2.sample, []
+
+    def recording(logits, temperature, top_p=1.0, top_k=0, generator=None):
+        generators.append(generator)
+        return sample(logits, temperature, top_p, top_k, generator)
+
+    monkeypatch.setattr(regenerate.dflash2, "sample", recording)
+
+    def run(name, seed):
+        torch.manual_seed(len(generators))  # the global generator differs between runs: it must not be the one used
+        regenerate.main(regenerate.parse_args(
+            ["--target", world["target"], "--data", data, "--out", str(tmp_path / name), "--max-new-tokens", "12",
+             "--temperature", "1", "--batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
+        return (tmp_path / name).read_text()
+
+    first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
+    assert generators and all(isinstance(g, torch.Generator) for g in generators), \
+        f"the sampler got {set(map(type, generators))}, not a torch.Generator on every draw"
+    assert first == again, f"--seed 3 twice, different answers:\n{first}\n{again}"
+    assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
 
 
 def allowed_tokens(logits, temperature, top_p, top_k):

@@ -255,12 +255,11 @@ def test_regenerate_renders_with_the_chat_template_flag(llama, tmp_path):
 def test_training_picks_the_lowest_free_added_token_and_exports_a_drafter_that_decodes_as_the_target(
         llama, regenerated, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
-    monkeypatch.setattr(train, "EVAL_NEW_TOKENS", 4)
     monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     train.train(train.parse_args([
         "--target", llama["path"], "--data", str(regenerated), "--out-dir", str(out), "--steps", "2", "--seq-len", "64",
-        "--batch-size", "2", "--block-size", "4", "--max-anchors", "4", "--val-size", "2",
-        "--drafter-config", '{"selector_rank": 8}']), decode_prompts=1)
+        "--batch-size", "2", "--block-size", "4", "--max-anchors", "4", "--val-size", "2", "--decode-prompts", "1",
+        "--drafter-config", '{"selector_rank": 8}']))
     printed = capsys.readouterr().out
     # the chats hold <|im_start|> and <|im_end|>, <|endoftext|> is the pad: <repo_name> is the lowest one left
     want = (f"mask token {REPO_NAME}: '<repo_name>', the lowest-id added token that is not bos/eos/pad/unk and never "

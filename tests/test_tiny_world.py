@@ -1,5 +1,4 @@
 """Tests of the offline tiny world: tokenizer, quality measure, the cached on-policy build, where train.py finds it."""
-import functools
 import importlib
 import json
 import os
@@ -12,6 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from harness import tiny_world
 from conftest import tiny_qwen3
 from dflash2 import target_generate
+from tests.conftest import small_world
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +58,8 @@ def test_repeated_line_share_counts_repeats_within_a_text():
 
 @pytest.fixture
 def small_build(monkeypatch):
-    """The world built from 120 stdlib conversations, 8 of them held out, instead of all of
-    them (7000+) and 256, and pretrained on 2 windows of 64 tokens a step instead of 8 of 256:
-    nothing these tests check depends on those sizes, and at full size they are nearly all of
-    a build's time (tokenizing the library, a step, measuring the held-out conversations)."""
-    convs, pretrain = tiny_world.stdlib_conversations(chunk_chars=600)[:120], tiny_world.pretrain_tiny_target
-    monkeypatch.setattr(tiny_world, "stdlib_conversations", lambda **kw: convs)
-    monkeypatch.setattr(tiny_world, "TINY_HELD_OUT", 8)
-    monkeypatch.setattr(tiny_world, "pretrain_tiny_target", functools.partial(pretrain, seq_len=64, batch_size=2))
+    """The world built small (tests/conftest.py's small_world)."""
+    small_world(monkeypatch)
 
 
 def test_tiny_world_builds_once_loadable_and_on_policy(tmp_path, small_build):

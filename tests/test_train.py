@@ -12,7 +12,6 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
-import datasets
 import pytest
 import torch
 import transformers
@@ -23,23 +22,16 @@ import train
 from harness import checkpoint, data, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
-from conftest import plain_greedy, tiny_qwen3
+from bench import ablation, cost, gpu_check, peer_cycle, real
+from port import golden
+from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
 from harness.target import drafter_config
+from tests.conftest import CONVERSATION, save_tiny_target, write_jsonl
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-CONVERSATION = [{"role": "user", "content": "Continue this code:\nimport os\n"},
-                {"role": "assistant", "content": "def f(x):\n    return x + 1\n"}]
 
-
-def save_tiny_target(path, tokenizer, vocab_size=None):
-    """A random float32 Qwen3 for `tokenizer` (4 layers, hidden 64; an embedding table of vocab_size rows, default
-    len(tokenizer)) and the tokenizer, saved as a model folder."""
-    tiny_qwen3(vocab_size or len(tokenizer), hidden_size=64, num_layers=4, head_dim=32, dtype=torch.float32,
-               tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
-               eos_token_id=tokenizer.eos_token_id).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def records(out, kind):
@@ -47,42 +39,23 @@ def records(out, kind):
     return [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
 
 
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("world")
-    convs = tiny_world.stdlib_conversations(chunk_chars=120)[:24]  # short rows: answers survive --seq-len
-    return {"root": root, "target": save_tiny_target(root / "target", tiny_world.build_tiny_tokenizer()),
-            "data": write_jsonl(root / "data.jsonl", [{"messages": c} for c in convs])}
-
-
 SELECTOR_RANK_8 = '{"selector_rank": 8}'
 FACTORED = '{"selector_rank": 8, "selector_codebooks": "factored"}'
 
 
 def flags(world, out, *extra, data=None):
+    """A run's flags: float32 (the same numbers on every CPU), a log line (and a record line) every step, no
+    decoding at the end unless extra asks for it."""
     return ["--target", world["target"], "--data", data or world["data"], "--out-dir", str(out), "--seq-len", "192",
             "--batch-size", "2", "--max-anchors", "6", "--val-size", "4", "--drafter-config", SELECTOR_RANK_8,
-            "--dtype", "float32", *extra]
-    # float32: the same numbers on every CPU
-
-
-# what every run here sets beyond its flags: a log line (and a record line) every step, 8 new tokens per decoded
-# prompt, and the eager loss (each process would compile it again; the compiled loss is held to the formula in
-# test_dflash2.py and in train.py's step below). Scripts run by torchrun start with it too.
-QUICK = {"LOG_EVERY": 1, "EVAL_NEW_TOKENS": 8}
-QUICK_PRELUDE = "".join(f"train.{k} = {v!r}\n" for k, v in QUICK.items())
+            "--dtype", "float32", "--log-every", "1", "--decode-prompts", "0", *extra]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def quick_runs():
+def eager_loss():
+    """Every run here takes the eager loss (each process would compile it again; the compiled loss is held to the
+    formula in test_dflash2.py and in train.py's step below); scripts run by torchrun inherit it."""
     with pytest.MonkeyPatch.context() as m:
-        for name, value in QUICK.items():
-            m.setattr(train, name, value)
         m.setenv("TORCH_COMPILE_DISABLE", "1")
         yield
 
@@ -98,7 +71,7 @@ def reference_run(world, tmp_path_factory):
     -> its out dir, the summary train() returns, and what it printed."""
     out, printed = tmp_path_factory.mktemp("reference") / "out", io.StringIO()
     with contextlib.redirect_stdout(printed):
-        summary = train.train(args_for(world, out, "--steps", "4", "--eval-every", "2"))
+        summary = train.train(args_for(world, out, "--steps", "4", "--eval-every", "2", "--decode-prompts", "1"))
     return {"out": out, "summary": summary, "printed": printed.getvalue()}
 
 
@@ -242,29 +215,6 @@ def test_factored_codebooks_train_resume_and_export_as_tables(world, tmp_path, m
         assert_bf16_table(table, want, side)
 
 
-def export_job(world, out, *extra):
-    """python -m harness.checkpoint on the test target: its export in `out` -> what it printed."""
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        checkpoint.main(checkpoint.parse_args(["--target", world["target"], "--out", str(out), *extra]))
-    return printed.getvalue()
-
-
-def test_speculators_export_names_the_target_and_init_from_reads_it_back(world, tmp_path):
-    """checkpoint.py --format speculators: config.json names --target as the verifier (vLLM serves the
-    folder alone), the job prints that command, and --init-from reads the export back."""
-    out = tmp_path / "dry"
-    printed = export_job(world, out, "--num-layers", "1", "--format", "speculators")
-    config = json.loads((out / "config.json").read_text())
-    verifier = config["speculators_config"]["verifier"]
-    assert config["speculators_model_type"] == "dflash2" and verifier["name_or_path"] == world["target"], (
-        f"speculators export: type {config['speculators_model_type']}, verifier {verifier}")
-    assert f"vllm serve {out.absolute()}\n" in printed, printed
-    train.train(args_for(world, tmp_path / "out", "--steps", "1", "--init-from", str(out)))
-    c = checkpoint.load_export(tmp_path / "out" / "checkpoint").config
-    assert c.num_layers == 1, f"--init-from a speculators export trained {c}"
-
-
 def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, monkeypatch):
     real, calls = dflash2.loss_from_sums, []
 
@@ -281,45 +231,67 @@ def test_nonfinite_loss_stops_without_a_poisoned_checkpoint(world, tmp_path, mon
     assert all(torch.isfinite(v).all() for v in state["model"].values()), "a non-finite weight reached the checkpoint"
 
 
-KILLED_AT_STEP_3 = """
-import sys
+DATA_PARALLEL = """
+import os, sys
+import torch
+import torch.distributed as dist
 sys.path.insert(0, {root!r})
 import train
-{quick}lr_at = train.lr_at
-def dying(step, *a):  # every rank stops in step 3, before its update: a kill after step 2's checkpoint
+flags, out = sys.argv[1:], os.environ["RUNS_OUT"]
+run = lambda name, *extra: train.train(train.parse_args([*flags, "--out-dir", os.path.join(out, name), *extra]))
+# the runs share one process group: a new one would rendezvous on the keys the last one left in torchrun's store
+init = dist.init_process_group
+dist.init_process_group = lambda *a, **k: None if dist.is_initialized() else init(*a, **k)
+dist.destroy_process_group = lambda: None
+# one step of two micro-steps: the gradients the update uses (after the ranks' reduction), the weights after it
+clip, make_optimizer, grads, made = torch.nn.utils.clip_grad_norm_, train.make_optimizer, [], []
+def recording(params, *a, **k):
+    grads.append([p.grad.clone() for p in params])
+    return clip(params, *a, **k)
+torch.nn.utils.clip_grad_norm_ = recording
+train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
+run("gradient", "--steps", "1", "--grad-accum", "2")
+weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
+torch.save(dict(grads=grads, weights=weights), os.path.join(out, "gradient" + os.environ["RANK"] + ".pt"))
+torch.nn.utils.clip_grad_norm_, train.make_optimizer = clip, make_optimizer
+# 4 steps, a checkpoint every 2: every rank stops in step 3, before its update (a kill after step 2's checkpoint),
+# then the run resumes
+lr_at = train.lr_at
+def dying(step, *a):
     if step == 2:
         raise SystemExit("killed in step 3")
     return lr_at(step, *a)
 train.lr_at = dying
-train.train(train.parse_args(sys.argv[1:]))
+try:
+    run("ddp", "--steps", "4", "--eval-every", "2")
+except SystemExit as killed:
+    print(killed, flush=True)
+train.lr_at = lr_at
+run("ddp", "--steps", "4", "--eval-every", "2", "--resume")
 """
 
 
-RUN_TRAIN = """
-import sys
-sys.path.insert(0, {root!r})
-import train
-{quick}train.train(train.parse_args(sys.argv[1:]))
-"""
+@pytest.fixture(scope="module")
+def data_parallel_runs(world, tmp_path_factory):
+    """The runs of DATA_PARALLEL, 2 ranks x batch 1, in one torchrun (its start-up costs more than the runs):
+    -> the folder of their outputs (each run's folder, each rank's recorded gradients) and what they printed."""
+    out = tmp_path_factory.mktemp("data_parallel")
+    (out / "runs.py").write_text(DATA_PARALLEL.format(root=HERE))
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1", "RUNS_OUT": str(out)}
+    run = subprocess.run([*torchrun, str(out / "runs.py"), *flags(world, out / "unused", "--batch-size", "1")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return {"out": out, "printed": run.stdout}
 
 
-def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference_run, tmp_path):
+def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(reference_run, data_parallel_runs):
     """DistributedDataParallel: 2 ranks x batch 1, killed after step 2's checkpoint and resumed,
     make the same updates and log the same losses as 1 rank x batch 2 (the reference run: the
     loss is normalised by the weights of the whole global batch). The replicas' agreement:
     test_the_data_parallel_gradient_is_the_whole_batchs."""
-    script = tmp_path / "killed.py"
-    script.write_text(KILLED_AT_STEP_3.format(root=HERE, quick=QUICK_PRELUDE))
-    resumed = tmp_path / "resumed.py"  # train.py as a script, with QUICK's settings
-    resumed.write_text(RUN_TRAIN.format(root=HERE, quick=QUICK_PRELUDE))
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    run_flags = flags(world, tmp_path / "ddp", "--steps", "4", "--batch-size", "1", "--eval-every", "2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-    killed = subprocess.run([*torchrun, str(script), *run_flags], capture_output=True, text=True, timeout=300, env=env)
-    assert killed.returncode != 0 and "killed in step 3" in killed.stderr, killed.stdout[-3000:] + killed.stderr[-3000:]
-    run = subprocess.run([*torchrun, str(resumed), *run_flags, "--resume"], capture_output=True,
-                         text=True, timeout=300, env=env)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    printed, ddp_out = data_parallel_runs["printed"], data_parallel_runs["out"] / "ddp"
+    assert printed.count("killed in step 3") == 2, f"both ranks should stop in step 3: {printed[-3000:]}"
     # Tolerances. Both runs do the same float32 arithmetic in another order (two rows in one
     # batch, or one per rank and an all-reduce), so their gradients agree to rounding only:
     # 2^-24 per operation, more where many terms nearly cancel. AdamW steps every entry by
@@ -330,12 +302,12 @@ def test_torchrun_two_ranks_equal_one_rank_with_the_whole_batch(world, reference
     # and moves entries by whole steps (~1 of the largest entry). The gradient's overall scale,
     # which AdamW cancels, shows in the logged loss: a float32 sum of a few hundred terms, far
     # inside 1e-4 when right.
-    ddp, one = (torch.load(d / "resume.pt", weights_only=True)["model"] for d in (tmp_path / "ddp", reference_run["out"]))
+    ddp, one = (torch.load(d / "resume.pt", weights_only=True)["model"] for d in (ddp_out, reference_run["out"]))
     for k, v in one.items():
         err = (ddp[k] - v).abs().max().item() / (v.abs().max().item() + 1e-12)
         assert err < 1e-3, f"{k}: 2 ranks x batch 1 and 1 rank x batch 2 differ by {err:.3g} of its largest entry"
     ddp_loss, one_loss = ({r["step"]: r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-                           if r["kind"] == "train"} for d in (tmp_path / "ddp", reference_run["out"]))
+                           if r["kind"] == "train"} for d in (ddp_out, reference_run["out"]))
     assert ddp_loss.keys() == one_loss.keys() and all(abs(ddp_loss[s] - one_loss[s]) < 1e-4 * one_loss[s] for s in one_loss), \
         f"logged losses per step: 2 ranks x batch 1 {ddp_loss}, 1 rank x batch 2 {one_loss}"
 
@@ -382,14 +354,6 @@ BAD_DATA = {  # name -> (file name, file text, what the message must say)
     "unknown role": ("u.jsonl", json.dumps({"messages": [CONVERSATION[0], {"role": "bot", "content": "x"}]}) + "\n",
                      r"u.jsonl: line 1: messages\[1\].role: unknown role 'bot'"),
 }
-
-
-@pytest.fixture
-def no_target_load(monkeypatch):
-    """Data errors must surface before the target's weights load: loading them is an error here."""
-    def refuse(*a, **k):
-        raise AssertionError("the target's weights were loaded before the data was checked")
-    monkeypatch.setattr(train.transformers.AutoModelForCausalLM, "from_pretrained", refuse)
 
 
 @pytest.mark.parametrize("case", BAD_DATA)
@@ -447,11 +411,21 @@ def test_bad_drafter_configs_are_refused_by_the_parser(value, message, capsys):
     assert message in capsys.readouterr().err
 
 
+class Built(Exception):
+    """parser_of's way out of an entry point once its parser is built."""
+
+
 def parser_of(parse_args):
-    """The ArgumentParser an entry point's parse_args builds (caught as it is asked to parse)."""
+    """The ArgumentParser an entry point's parse_args (or a main that parses first) builds, caught as it is asked
+    to parse."""
     built = []
-    with pytest.MonkeyPatch.context() as m:
-        m.setattr(argparse.ArgumentParser, "parse_args", lambda self, *a, **k: built.append(self))
+
+    def caught(self, *a, **k):
+        built.append(self)
+        raise Built
+
+    with pytest.MonkeyPatch.context() as m, pytest.raises(Built):
+        m.setattr(argparse.ArgumentParser, "parse_args", caught)
         parse_args([])
     return built[0]
 
@@ -469,22 +443,34 @@ def parsed(action):
     return [one(text) for text in FLAG_PROBES]
 
 
-@pytest.mark.parametrize("entry", [memory, checkpoint, regenerate_module], ids=lambda m: m.__name__)
+ENTRY_POINTS = {  # every entry point but train.py: its parser, and what it must share with train.py at least
+    "harness.memory": (memory.parse_args, {"--target", "--seq-len", "--max-anchors", "--batch-size"}),
+    "harness.checkpoint": (checkpoint.parse_args, {"--target", "--num-layers", "--drafter-config"}),
+    "harness.regenerate": (regenerate_module.parse_args, {"--target", "--data", "--dtype"}),
+    "bench.ablation": (ablation.parse_args, set()), "bench.cost": (cost.parse_args, set()),
+    "bench.gpu_check": (gpu_check.parse_args, set()), "bench.peer_cycle": (peer_cycle.parse_args, set()),
+    "bench.real": (real.parse_args, set()), "port.golden": (golden.main, set())}
+
+
+@pytest.mark.parametrize("entry", ENTRY_POINTS)
 def test_a_flag_an_entry_point_shares_with_train_py_has_its_name_type_and_default(entry):
-    """python -m harness.memory, .checkpoint and .regenerate declare their own flags; one that train.py takes too
-    (--batch-size, --block-size, --dtype, ...) means the same thing there: the same destination, action, default
-    and choices, and its type accepts and refuses the same values (numbers, bounds, NaN, words)."""
-    ours = {s: a for a in parser_of(train.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
-    theirs = {s: a for a in parser_of(entry.parse_args)._actions for s in a.option_strings if s not in ("-h", "--help")}
+    """Every other entry point (python -m harness.memory, .checkpoint, .regenerate, bench/'s and port/'s) declares
+    its own flags; one that train.py takes too (--batch-size, --block-size, --dtype, ...) means the same thing there:
+    the same destination, action, default and choices, and its type accepts and refuses the same values (numbers,
+    bounds, NaN, words). A flag of another meaning takes another name (bench.cost's --draft-dtype, the bench's
+    --out)."""
+    parse_args, at_least = ENTRY_POINTS[entry]
+    options = lambda parser: {s: a for a in parser._actions for s in a.option_strings if s not in ("-h", "--help")}
+    ours, theirs = options(parser_of(train.parse_args)), options(parser_of(parse_args))
     shared = sorted(ours.keys() & theirs.keys())
-    assert "--target" in shared, f"{entry.__name__} shares {shared} with train.py, not even --target"
+    assert theirs and at_least <= set(shared), f"{entry} shares {shared} with train.py, not {sorted(at_least)}"
     for flag in shared:
         a, b = ours[flag], theirs[flag]
         want = (a.dest, type(a).__name__, a.default, a.choices, a.nargs)
         got = (b.dest, type(b).__name__, b.default, b.choices, b.nargs)
-        assert got == want, f"{entry.__name__} {flag}: (dest, action, default, choices, nargs) {got}, train.py's {want}"
+        assert got == want, f"{entry} {flag}: (dest, action, default, choices, nargs) {got}, train.py's {want}"
         differ = [(text, x, y) for text, x, y in zip(FLAG_PROBES, parsed(a), parsed(b)) if x != y]
-        assert not differ, f"{entry.__name__} {flag} parses (probe, train.py's, its own) {differ} differently"
+        assert not differ, f"{entry} {flag} parses (probe, train.py's, its own) {differ} differently"
 
 
 def test_script_bad_input_exits_with_one_line(world, tmp_path):
@@ -543,86 +529,6 @@ def test_rewind_record_drops_the_killed_runs_later_lines(tmp_path):
     assert steps == [1, 2, 3], f"after rewinding to step 3 the record holds steps {steps}"
 
 
-@pytest.mark.parametrize("sampling", [[], ["--temperature", "1", "--top-k", "1"]])
-def test_regenerate_writes_the_targets_own_greedy_answers(world, tmp_path, sampling):
-    """Greedy, and sampled at top-k 1 (the flags reach the sampler: unfiltered, T = 1 draws others)."""
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 2)
-    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", data, "--out",
-                                                         str(tmp_path / "out.jsonl"), "--max-new-tokens", "12",
-                                                         *sampling]),
-                           log=lambda *a: None)
-    rows = [json.loads(line)["messages"] for line in (tmp_path / "out.jsonl").read_text().splitlines()]
-    tokenizer = target_module.load_tokenizer(world["target"], None)
-    model = AutoModelForCausalLM.from_pretrained(world["target"]).eval()
-    want, _ = plain_greedy(model, tokenizer, CONVERSATION[:1], 12)
-    assert len(rows) == 2 and all(r[0] == CONVERSATION[0] and r[1] == {"role": "assistant", "content": want}
-                                  for r in rows), f"regenerated {rows} ({sampling}), the target's greedy answer is " \
-                                                  f"{want!r}"
-
-
-def test_regenerate_reads_the_data_split_it_is_given(world, tmp_path, monkeypatch):
-    """--data-split reaches the regeneration itself, not only the check before the weights load:
-    a hub dataset's "validation" rows are the ones regenerated."""
-    splits = {name: [{"messages": [{"role": "user", "content": f"{name} prompt {i}"}]} for i in range(2)]
-              for name in ("train", "validation")}
-    asked = []
-    monkeypatch.setattr(datasets, "load_dataset", lambda source, split: asked.append(split) or splits[split])
-    out = tmp_path / "out.jsonl"
-    regenerate_module.main(regenerate_module.parse_args(["--target", world["target"], "--data", "someone/chats",
-                                                         "--data-split", "validation", "--out", str(out),
-                                                         "--max-new-tokens", "2"]),
-                           log=lambda *a: None)
-    prompts = [json.loads(line)["messages"][0]["content"] for line in out.read_text().split("\n")[:-1]]
-    assert prompts == ["validation prompt 0", "validation prompt 1"], f"regenerated {prompts} (splits read: {asked})"
-    assert set(asked) == {"validation"}, f"splits read: {asked}"
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--out", None], "needs --target (who answers), --data (the conversations) and --out"),
-    (["--top-p", "1.5"], "top_p (1.5) must be in (0, 1]"),
-    (["--temperature", "-1"], "temperature (-1.0) must be a finite number >= 0"),
-    (["--max-new-tokens", "0"], "--max-new-tokens 0 must be >= 1"),
-    (["--chat-template-kwargs", "{nope"], "--chat-template-kwargs"),
-])
-def test_regenerate_refuses_bad_flags_before_the_target_loads(world, tmp_path, monkeypatch, flags, message):
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}])
-    monkeypatch.setattr(regenerate_module, "load_target", lambda *a: pytest.fail("the target loaded"))
-    argv = ["--target", world["target"], "--data", data, "--out", str(tmp_path / "out.jsonl")]
-    if flags[1] is None:
-        argv = argv[:argv.index(flags[0])]
-    else:
-        argv += flags
-    with pytest.raises(ValueError, match=re.escape(message)):
-        regenerate_module.main(regenerate_module.parse_args(argv), log=lambda *a: None)
-    assert not (tmp_path / "out.jsonl").exists()
-
-
-def test_sampled_regeneration_is_seeded_by_the_runs_seed(world, tmp_path, monkeypatch):
-    """At T > 0 every draw takes a generator (seeded from --seed): two runs with the same seed
-    write the same file, another seed writes another."""
-    data = write_jsonl(tmp_path / "in.jsonl", [{"messages": CONVERSATION}] * 3)
-    sample, generators = regenerate_module.dflash2.sample, []
-
-    def recording(logits, temperature, top_p=1.0, top_k=0, generator=None):
-        generators.append(generator)
-        return sample(logits, temperature, top_p, top_k, generator)
-
-    monkeypatch.setattr(regenerate_module.dflash2, "sample", recording)
-
-    def run(name, seed):
-        torch.manual_seed(len(generators))  # the global generator differs between runs: it must not be the one used
-        regenerate_module.main(regenerate_module.parse_args(
-            ["--target", world["target"], "--data", data, "--out", str(tmp_path / name), "--max-new-tokens", "12",
-             "--temperature", "1", "--batch-size", "2", "--seed", str(seed)]), log=lambda *a: None)
-        return (tmp_path / name).read_text()
-
-    first, again, other = run("a.jsonl", 3), run("b.jsonl", 3), run("c.jsonl", 4)
-    assert generators and all(isinstance(g, torch.Generator) for g in generators), \
-        f"the sampler got {set(map(type, generators))}, not a torch.Generator on every draw"
-    assert first == again, f"--seed 3 twice, different answers:\n{first}\n{again}"
-    assert first != other, "--seed 3 and --seed 4 gave the same answers: the seed does not reach the draws"
-
-
 def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world):
     """On a GPU, train.py plans its run for the device's memory (the target's config is enough): a batch that fits
     trains plainly, one that fits only with each draft layer recomputed in backward recomputes (and says so), one
@@ -640,25 +546,6 @@ def test_a_gpu_run_recomputes_layers_only_when_the_batch_fits_no_other_way(world
     with pytest.raises(ValueError, match=r"^batch size 3 needs about [0-9.]+ GiB per GPU, more than the GPU's "
                                          r"[0-9.e-]+ GiB; (--batch-size [12] fits|not even one sequence fits)"):
         memory.fitting_plan(*shape, fields, recomputed * 0.999)
-
-
-def test_the_untrained_export_and_its_serving_commands(world, tmp_path, no_target_load):
-    """checkpoint.py without --from reads the target's config and tokenizer only (no weights) and writes
-    the export of the drafter shape the flags ask for, which loads back with that shape; it
-    prints each engine's command with this export's path and block size (vLLM: B - 1)."""
-    out = tmp_path / "dry"
-    printed = export_job(world, out, "--block-size", "6", "--num-layers", "1", "--drafter-config", SELECTOR_RANK_8)
-    drafter = checkpoint.load_export(out)
-    target = AutoConfig.from_pretrained(world["target"])
-    c = drafter.config
-    assert (c.block_size, c.num_layers, c.selector_rank, c.hidden_size, c.num_target_layers) == \
-        (6, 1, 8, target.hidden_size, target.num_hidden_layers), f"exported shape {c}"
-    path = str(out.absolute())
-    for engine, count in (("vllm serve", '"num_speculative_tokens": 5'), ("sglang.launch_server",
-                                                                         "--speculative-num-draft-tokens 6"),
-                          ("dflash generate", "--draft")):
-        line = next((l for l in printed.splitlines() if engine in l), "")
-        assert path in line and count in line, f"{engine}: {line!r} lacks {path} or {count}\n{printed}"
 
 
 # -----------------------------------------------------------------------------
@@ -721,18 +608,18 @@ def test_a_float16_target_runs_the_drafter_step_under_bf16_autocast(world):
     assert abs(got_loss - want_loss) < 0.02 * want_loss, f"float16 target's loss {got_loss} vs float32 {want_loss}"
 
 
-def test_loss_config_carries_the_acceptance_setting_to_the_metrics(world):
-    """loss_config(accept_at=(T, top_p, top_k)) (bench/ablation.py's metrics at the write-up's setting): the step's
+def test_the_step_stats_read_the_acceptance_metrics_at_the_setting_asked(world):
+    """step_stats(accept_at=(T, top_p, top_k)) (bench/ablation.py's metrics at the write-up's setting): the step's
     acceptance metric is then Σ_v min(p_v, q_v) at that setting, p = softmax(z/T) of the target's logits and
     q = softmax(U/T) of the drafter's, averaged over the counted slots; not the T = 1 default's, another number."""
     args, batch, target, drafter = step_inputs(world)
     c = drafter.config
     inputs = train.step_inputs(target, batch, c.target_layer_ids, args.max_anchors, [1, 2, 3])
-    view = dflash2.target_view(c, target)
+    view, cfg = dflash2.target_view(c, target), train.loss_config(args, c.vocab_size)
     with torch.no_grad():
-        _, terms, slots = train.loss_step(drafter, view, target, inputs, train.loss_config(args, c.vocab_size))
-        got = {T: metrics.step_stats(drafter, view, target, slots, train.loss_config(args, c.vocab_size, accept_at=(
-            T, 1.0, 0)), terms)["accept_unary"] for T in (0.25, 1.0)}
+        _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
+        got = {T: metrics.step_stats(drafter, view, target, slots, cfg, terms, (T, 1.0, 0))["accept_unary"]
+               for T in (0.25, 1.0)}
         counted = slots.counted.bool()
         z, U = (target.lm_head(x[counted]).double() for x in (slots.g, slots.h))  # Qwen3: lm_head(h) is its logits
     want = {T: torch.minimum(torch.softmax(z / T, -1), torch.softmax(U / T, -1)).sum(-1).mean().item() for T in got}
@@ -924,46 +811,28 @@ def test_a_bf16_cpu_target_decodes_the_eval_in_float32(world, monkeypatch):
     real, seen = dflash2.spec_generate, []
     monkeypatch.setattr(dflash2, "spec_generate", lambda d, t, *a, **k: seen.append(t.dtype) or real(d, t, *a, **k))
     metrics.evaluate(drafter.float(), target, tokenizer, val, train.loss_config(args, drafter.config.vocab_size),
-                     args.batch_size, args.max_anchors, args.seed, lambda *a: None, prompts=2,
-                     max_new_tokens=train.EVAL_NEW_TOKENS)
+                     args.batch_size, args.max_anchors, args.seed, lambda *a: None, prompts=2, max_new_tokens=8)
     assert seen and set(seen) == {torch.float32}, f"the eval decoded with the target in {set(seen)}"
     assert target.dtype == torch.bfloat16, f"after the eval the target is in {target.dtype}, not bf16 again"
 
 
-GRADIENT_RECORDER = """
-import os, sys
-import torch
-sys.path.insert(0, {root!r})
-import train
-clip, make_optimizer, grads, made = torch.nn.utils.clip_grad_norm_, train.make_optimizer, [], []
-def recording(params, *a, **k):  # the gradients the update uses, after the ranks' reduction
-    grads.append([p.grad.clone() for p in params])
-    return clip(params, *a, **k)
-torch.nn.utils.clip_grad_norm_ = recording
-train.make_optimizer = lambda params, lr: made.append(make_optimizer(params, lr)) or made[-1]
-{quick}train.train(train.parse_args(sys.argv[1:]), decode_prompts=0)
-weights = [p.detach() for p in made[0].param_groups[0]["params"]]  # the drafter's, after the update
-torch.save(dict(grads=grads, weights=weights), os.environ["RECORD_OUT"] + os.environ.get("RANK", "0"))
-"""
-
-
-def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path):
+def test_the_data_parallel_gradient_is_the_whole_batchs(world, tmp_path, data_parallel_runs):
     """2 ranks x batch 1 reach the update with the gradient of 1 rank x batch 2, the same rows, over
     two micro-steps (DDP reduces in the last one's backward only): the mean over ranks of each rank's
     gradient, itself normalised by the global batch's weights. Both replicas hold that gradient and,
     after the update, the same weights, bit for bit. (AdamW and the gradient clip both hide the
     gradient's scale from the weights and the loss.)"""
-    script = tmp_path / "record.py"
-    script.write_text(GRADIENT_RECORDER.format(root=HERE, quick=QUICK_PRELUDE))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1"}
-    for name, launch, batch in (("one", [], "2"), ("two", ["-m", "torch.distributed.run", "--standalone",
-                                                            "--nproc_per_node=2"], "1")):
-        cmd = [sys.executable, *launch, str(script), *flags(world, tmp_path / name, "--steps", "1", "--batch-size", batch,
-                                                            "--grad-accum", "2")]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                             env={**env, "RECORD_OUT": str(tmp_path / f"{name}.pt")})
-        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    one, two, other = (torch.load(tmp_path / f) for f in ("one.pt0", "two.pt0", "two.pt1"))
+    clip, grads = torch.nn.utils.clip_grad_norm_, []
+
+    def recording(params, *a, **k):
+        grads.append([p.grad.clone() for p in params])
+        return clip(params, *a, **k)
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch.nn.utils, "clip_grad_norm_", recording)
+        train.train(args_for(world, tmp_path / "one", "--steps", "1", "--batch-size", "2", "--grad-accum", "2"))
+    one = {"grads": grads}
+    two, other = (torch.load(data_parallel_runs["out"] / f"gradient{rank}.pt") for rank in (0, 1))
     flat = lambda tensors: torch.cat([t.flatten() for t in tensors])
     for what, got, want in (("gradients", flat(other["grads"][0]), flat(two["grads"][0])),
                             ("weights after the update", flat(other["weights"]), flat(two["weights"]))):
@@ -997,28 +866,6 @@ def test_factored_tables_come_from_the_input_embedding_of_an_untied_target(world
         table, want = exported[f"candidate_selector.{side}_codebook"].double(), \
             W_in @ state[f"candidate_selector.{side}_projection.weight"].double().T
         assert_bf16_table(table, want, side)
-
-
-def test_an_untrained_factored_export_is_loadable(world, tmp_path, no_target_load):
-    """The untrained export with factored codebooks: no target weights to build the tables from, so it
-    holds free tables at their init (a zero successor codebook: the untrained selector's scores)."""
-    out = tmp_path / "dry"
-    export_job(world, out, "--num-layers", "1", "--drafter-config", FACTORED)
-    drafter = checkpoint.load_export(out)
-    c, target = drafter.config, AutoConfig.from_pretrained(world["target"])
-    assert (c.selector_rank, c.selector_top_k, c.num_layers, c.vocab_size) == (8, 16, 1, target.vocab_size), c
-    successor = drafter.state_dict()["candidate_selector.successor_codebook"]
-    assert successor.shape == (target.vocab_size, 8) and not successor.any(), "the successor codebook is not its init"
-
-
-def test_a_sliding_window_export_has_the_layer_types_asked_for(world, tmp_path, no_target_load):
-    layer_types = ["sliding_attention", "full_attention", "sliding_attention"]
-    window = json.dumps({"sliding_window": 64, "layer_types": layer_types})
-    export_job(world, tmp_path / "dry", "--num-layers", "3", "--drafter-config", window)
-    c = checkpoint.load_export(tmp_path / "dry").config
-    assert (c.layer_types, c.sliding_window) == (layer_types, 64), c
-    with pytest.raises(ValueError, match=r"layer_types has 3 entries for num_layers = 2"):
-        export_job(world, tmp_path / "bad", "--num-layers", "2", "--drafter-config", window)
 
 
 def test_training_stops_on_a_target_whose_forward_the_drafter_does_not_follow(world, tmp_path, monkeypatch):
@@ -1110,7 +957,8 @@ def accumulated_run(world, padded_target, tmp_path_factory):
         m.setattr(train, "loss_step", recording_step)
         m.setattr(torch.nn.utils, "clip_grad_norm_", recording_clip)
         m.setattr(dflash2, "spec_generate", decoding)
-        summary = train.train(args_for({**world, "target": padded_target}, out, "--steps", "1", "--grad-accum", "2"))
+        summary = train.train(args_for({**world, "target": padded_target}, out, "--steps", "1", "--grad-accum", "2",
+                                       "--decode-prompts", "4"))
     return {"out": out, "summary": summary, "printed": printed.getvalue(), **seen}
 
 
