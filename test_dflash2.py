@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from conftest import (ANCHORS, B, H, LAYER_IDS, MASK_ID, S, SERVED, V, VALID, WIDE_K, counted_slots, echo_forward,
                       float64_scores, loss_batch, make_batch, make_config, make_drafter, make_target, ref_edge_score,
                       ref_filtered_law, ref_greedy_walk, ref_topk, with_last_hidden)
-from dflash2 import (DFlash2Drafter, DraftCache, LocalConv, LossConfig, TargetView, block_attention_mask, block_layout,
-                     block_slots, context_features, default_gamma, default_target_layer_ids, dflash2_loss, local_conv,
-                     loss_sums, sample_anchors, slot_sums, target_view)
+from dflash2 import (Batch, DFlash2Drafter, DraftCache, LocalConv, LossConfig, TargetView, block_attention_mask,
+                     block_layout, block_slots, context_features, default_gamma, default_target_layer_ids,
+                     dflash2_loss, local_conv, loss_sums, sample_anchors, slot_sums, target_view)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

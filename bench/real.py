@@ -24,7 +24,7 @@ The world, cached under --cache-dir per Python version, sources, size and dtype:
 
 The ablation: DFlash2 and DFlash (--drafters adds any of bench.ablation's, e.g. DFlash2
 with factored codebooks, §3) are trained by train.py's code with the same flags, data, steps
-and seed, for EPOCHS passes over the target's features, computed once into one folder
+and seed, for --epochs passes over the target's features, computed once into one folder
 they share (--cache-target-features disk:FOLDER), evaluated on the validation blocks every
 --eval-every steps (learning_curves.png); each decodes the same HumanEval prompts (whole
 answers: the stop token or --eval-tokens) with spec_generate at every sampling setting, with
@@ -72,7 +72,6 @@ PACKAGES = ("numpy", "networkx", "pandas", "torch", "datasets", "jinja2")  # ins
 # documented functions train beside the standard library's (about 6,250 more requests)
 REAL_DRAFTERS = ["DFlash2", "DFlash"]  # DFlash2 first: the one whose wall clock counts; more with --drafters
 TRAIN_FLAGS = "--eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
-EPOCHS = 1  # passes over the training rows (--steps is set to make them): new rows move AL more than repeats
 UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
 # option decodes through its walk only)
 LOOKUP_KS = (3, 5, 10)  # transformers' prompt_lookup_num_tokens tried; the best is the baseline
@@ -436,6 +435,8 @@ def parse_args(argv=None):
     p.add_argument("--answer-tokens", type=int, default=128, help="longest answer of the target, in tokens")
     p.add_argument("--regen-batch-size", type=int, default=32, help="prompts per batch while the target answers")
     p.add_argument("--seeds", type=int, default=1, help="training seeds per drafter")
+    p.add_argument("--epochs", type=int, default=2, help="passes over the training rows (train.py's --steps is set to "
+                   "make them): one epoch left the validation AL still rising")
     p.add_argument("--drafters", type=lambda s: s.split(","), default=REAL_DRAFTERS,
                    help=f"comma-separated subset of: {', '.join(DRAFTERS)}")
     p.add_argument("--train-flags", default=TRAIN_FLAGS,
@@ -456,7 +457,7 @@ def check_args(args):
     """Bad flags fail here, before the world is built."""
     if args.train_prompts < 0:
         raise ValueError(f"--train-prompts ({args.train_prompts}) must be >= 0 (0: all of them)")
-    for name in ("held_out_rows", "answer_tokens", "regen_batch_size", "seeds", "eval_prompts", "eval_tokens",
+    for name in ("held_out_rows", "answer_tokens", "regen_batch_size", "seeds", "epochs", "eval_prompts", "eval_tokens",
                  "val_blocks", "wall_prompts"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be >= 1")
@@ -490,8 +491,8 @@ def measure(args, log=print):
     base = ["--target", target_path, "--data", data_path, "--val-size", str(len(held_out)), "--cache-target-features",
             f"disk:{os.path.join(args.out_dir, 'target_features')}", *shlex.split(args.train_flags)]
     targs = train.parse_args(base)
-    epochs = 2 if args.quick else EPOCHS  # of the rows but the held-out ones (check_held_out_rows: none dropped)
     global_batch = targs.batch_size * targs.grad_accum
+    epochs = 2 if args.quick else args.epochs  # of the rows but the held-out ones (check_held_out_rows: none dropped)
     base += ["--steps", str(math.ceil(epochs * (conversations - len(held_out)) / global_batch))]
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, "float32", torch.device("cpu"))  # decoding on a CPU runs in float32

@@ -99,10 +99,11 @@ def below_float32(target):
 
 def decoding_dtype(device, dtype):
     """The target's dtype for decoding one sequence: float32 on a CPU, even one that multiplies bf16 in hardware.
-    There a bf16 forward of 8 tokens, a verification, costs about 0.73x a float32 one (AMX), but it is not the
-    target's greedy decoding: a forward of k tokens rounds its bf16 products otherwise than k forwards of one, and
-    on SmolLM2-135M 2-3% of the greedy tokens change when read 8 at a time (`python -m bench.real
-    --decoding-dtypes`, bench/RESULTS.md), where spec_generate would leave target_generate. In float32, none do."""
+    There a bf16 forward of 8 tokens, a verification, costs 0.76x a float32 one (AMX), but it is not the target's
+    greedy decoding: a forward of k tokens rounds its bf16 products otherwise than k forwards of one, and on
+    SmolLM2-135M about 1% of the greedy tokens change when read 8 at a time (10 of 1,088; `python -m bench.real
+    --decoding-dtypes`, bench/RESULTS.md#decoding-dtype), where spec_generate would leave target_generate. In
+    float32, none do."""
     return torch.float32 if device.type == "cpu" else dtype
 
 

@@ -1015,7 +1015,7 @@ def test_wall_prompts_0_is_refused_by_the_flag_check_before_any_training(tmp_pat
     monkeypatch.setattr(real, "baselines", lambda *a: pytest.fail("the baselines started"))
     for extra in ([], ["--baselines"]):
         with pytest.raises(ValueError, match=r"^--wall-prompts \(0\) must be >= 1$"):
-            real.main(real.parse_args(["--wall-prompts", "0", "--out-dir", str(tmp_path / "out"), *extra]))
+            real.main(real.parse_args(["--wall-prompts", "0", "--out", str(tmp_path / "out"), *extra]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run refused on --wall-prompts 0"
 
 

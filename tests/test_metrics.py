@@ -246,7 +246,8 @@ def test_the_evaluation_decodes_with_the_draft_length_asked():
     argmax, at T = 1 the drafts' law is the target's, so every draft is accepted and each cycle commits the drafts
     verified and a bonus. evaluate(draft_tokens=n) then reports AL n + 1 at T = 0 and at T = 1, not B's."""
     import datasets
-    from conftest import tiny_drafter, tiny_qwen3
+    from conftest import tiny_qwen3
+    from tests.conftest import tiny_drafter
     from harness.metrics import evaluate
     target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
     target.lm_head.weight.zero_()
