@@ -2,7 +2,8 @@
 weights, the draft step's weight floor against a brute-force count of the parameter elements
 it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
 --quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`; the real
-world's training prompts and its refusals (its packages are optional: not needed here)."""
+world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals
+and its report of recorded rounds (the peer package is never imported)."""
 import dataclasses
 import itertools
 import json
@@ -19,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 
 import dflash2
 from harness import tiny_world
-from bench import ablation, common, cost, gpu_check, peer_cycle, real
+from bench import ablation, common, cost, gpu_check, peer_cycle, peer_step, real
 from conftest import tiny_qwen3
 from tests.conftest import small_world
 
@@ -818,6 +819,40 @@ def test_peer_cycle_refuses_a_folder_without_an_export_then_a_missing_peer_befor
         peer_cycle.measure(args)
     with pytest.raises(ValueError, match="--prompts 0: expected an integer >= 1"):
         peer_cycle.parse_args(["--export", str(tmp_path), "--prompts", "0"])
+
+
+def test_peer_step_refuses_bad_rounds_then_a_missing_peer_before_any_work(tmp_path, monkeypatch):
+    """bench.peer_step's bad input, one line each before a model is built or the out dir made: --rounds 0, then the
+    speculators package missing."""
+    monkeypatch.setattr(peer_step, "random_target", lambda *a, **k: pytest.fail("a target was built"))
+    out = str(tmp_path / "out")
+    with pytest.raises(ValueError, match="--rounds 0: expected an integer >= 1"):
+        peer_step.main(peer_step.parse_args(["--rounds", "0", "--out", out]))
+    monkeypatch.setitem(sys.modules, "speculators", None)  # `import speculators` raises ImportError
+    with pytest.raises(ValueError, match=r"speculators is missing: pip install --no-deps speculators==0\.9\.0"):
+        peer_step.main(peer_step.parse_args(["--quick", "--out", out]))
+    assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed before any work"
+
+
+def test_peer_step_reports_the_median_per_round_ratio_of_recorded_seconds():
+    """Recorded rounds: speculators' step twice ours in every round gives 2.00 [2.00, 2.00]; against ours, DFlash,
+    the per-round ratios 2, 3, 1 give their median 2 inside [1, 3]; each step's seconds are its median round's, and
+    speculators' own row has no ratio."""
+    seconds = {("float32", "ours"): [1.0, 3.0, 2.0], ("float32", "ours, DFlash"): [1.0, 2.0, 4.0],
+               ("float32", "speculators"): [2.0, 6.0, 4.0]}
+    counts = {k: {"product_flops": 1e12, "attention_flops": 2e11, "params": 3e6} for k in seconds}
+    steps = peer_step.report(seconds, counts)["float32"]
+    assert steps["ours"]["speculators_over"] == pytest.approx((2, 2, 2)), steps["ours"]
+    ratio, lo, hi = steps["ours, DFlash"]["speculators_over"]
+    assert ratio == 2 and 1 <= lo <= 2 <= hi <= 3, (ratio, lo, hi)
+    assert "speculators_over" not in steps["speculators"], steps["speculators"]
+    results = {"shape": {"rounds": 3}, "cpu": {"model": "a CPU", "threads": 2, "native_bf16": False},
+               "peer": "speculators 0.9.0", "steps": {"float32": steps}}
+    table = peer_step.markdown(results)
+    for row in ("| float32 | ours | 2.00 | 2.00 [2.00, 2.00] | 1.000 | 0.200 | 3.00 |",
+                f"| float32 | ours, DFlash | 2.00 | {common.ci_text(ratio, lo, hi)} |",
+                "| float32 | speculators | 4.00 | - |"):
+        assert row in table, f"{row!r} is not in the report:\n{table}"
 
 
 # -----------------------------------------------------------------------------

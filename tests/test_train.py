@@ -22,7 +22,7 @@ import train
 from harness import checkpoint, data, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
-from bench import ablation, cost, gpu_check, peer_cycle, real
+from bench import ablation, cost, gpu_check, peer_cycle, peer_step, real
 from port import golden
 from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
@@ -449,7 +449,8 @@ ENTRY_POINTS = {  # every entry point but train.py: its parser, and what it must
     "harness.regenerate": (regenerate_module.parse_args, {"--target", "--data", "--dtype"}),
     "bench.ablation": (ablation.parse_args, set()), "bench.cost": (cost.parse_args, set()),
     "bench.gpu_check": (gpu_check.parse_args, set()), "bench.peer_cycle": (peer_cycle.parse_args, set()),
-    "bench.real": (real.parse_args, set()), "port.golden": (golden.main, set())}
+    "bench.peer_step": (peer_step.parse_args, set()), "bench.real": (real.parse_args, set()),
+    "port.golden": (golden.main, set())}
 
 
 @pytest.mark.parametrize("entry", ENTRY_POINTS)
