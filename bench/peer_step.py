@@ -86,9 +86,9 @@ def peer_drafter(c, target):
     decoder's a LlamaConfig, as its CLI's create_transformer_layer_config), every layer full attention through SDPA;
     the target's embedding, lm_head and final norm copied in where it would load them from the verifier's files."""
     from transformers import LlamaConfig
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.config import SpeculatorsConfig, VerifierConfig  # optional: the peer package
+    from speculators.models.dflash import DFlashDraftModel, DFlashSpeculatorConfig  # optional
+    from speculators.proposals.greedy import GreedyTokenProposalConfig  # optional
     layer = LlamaConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads,
                         num_key_value_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
@@ -118,7 +118,7 @@ def peer_drafter(c, target):
 def peer_step(model, context, last, ids, max_anchors, gamma, dtype):
     """speculators' step on the packed batch: its inputs as its collator hands them in (one row, document ids,
     positions restarting at each document). -> (step(), trainable parameters)."""
-    from speculators.train.optimizers import build_optimizers
+    from speculators.train.optimizers import build_optimizers  # optional: the peer package
     b, S = ids.shape
     optimizer, = build_optimizers(model, argparse.Namespace(optimizer="adamw", lr=1e-6, weight_decay=0.0))
     inputs = dict(hidden_states=context.reshape(1, b * S, -1), input_ids=ids.reshape(1, b * S),
