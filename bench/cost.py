@@ -481,7 +481,8 @@ def markdown(results):
         if t.get("profile"):
             names = list(t["profile"])
             parts = [*STEP_PARTS, step_part(""), "page faults", "step ms"]
-            lines += ["", "One step under torch.profiler, self CPU ms by part (the profiler's own cost included)", "",
+            lines += ["", "One step under torch.profiler, self CPU ms by part (the profiler's own cost included), and the "
+                      "page faults it took (a count)", "",
                       "| part | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
             lines += [f"| {part} | " + " | ".join(f"{t['profile'][n].get(part, 0):.0f}" for n in names) + " |"
                       for part in parts]
