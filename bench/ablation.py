@@ -24,6 +24,7 @@ after each seed, ablation_so_far.md.
 """
 import argparse
 import dataclasses
+import json
 import math
 import os
 import shlex
@@ -236,40 +237,78 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
     """Seed by seed, each of args.drafters: trained by train.py's code (the base flags plus
     its own), its validation metrics measured, and the prompts decoded at every setting;
     a drafter with a selector also through its unary path (only those named in unary_paths,
-    if given). The report so far goes to the file so_far after each drafter of the first
-    seed, then after each seed."""
-    import train
-    targs = train.parse_args(base)
+    if given). Each run's measurements are saved in its run dir (decoded.json), and a bench
+    started again with the same flags reads them instead of decoding again. The report so far
+    goes to the file so_far after each drafter of the first seed, then after each seed."""
     for seed in range(args.seeds):
         for name in args.drafters:
             out = run_dir(args.out_dir, name, seed)
-            resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
-            run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume,
-                                                "--decode-prompts", "0"])  # the bench decodes its own prompts
-            t0 = time.time()
-            train.train(run_args)
-            train_seconds = time.time() - t0
-            paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
-            val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
-            at_write_up = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks,
-                                      accept_at=WRITE_UP)
-            val_stats["at_write_up"] = {k: at_write_up[k] for k in ACCEPT_KEYS if k in at_write_up}
-            for path_label, d in paths.items():
+            key = {"flags": [*base, *DRAFTERS[name], "--seed", str(seed)], "settings": [label(t) for t in settings],
+                   "prompts": len(prompts), "eval_tokens": args.eval_tokens, "val_blocks": args.val_blocks,
+                   "unary_paths": sorted(unary_paths) if unary_paths is not None else None}
+            run = saved_run(out, key)
+            if run is None:
+                run = train_and_measure(name, out, seed, args, base, settings, target, tokenizer, val, prompts,
+                                        unary_paths, log)
+                save_run(out, key, run)
+            else:
+                log(f"{name}, seed {seed}: measured before with these flags, read from {out}/decoded.json")
+            for path_label, by_setting in run["spec"].items():
                 r = results["variants"].setdefault(path_label, {"train_seconds": [], "val": [], "spec": {}})
                 if path_label == name:
-                    r["train_seconds"].append(train_seconds)
-                    r["val"].append(val_stats)
-                for setting in settings:
-                    r["spec"].setdefault(label(setting), []).append(
-                        spec_eval(d, target, prompts, args, setting, tokenizer.eos_token_id,
-                                  lambda i, eta: log(f"decode | {path_label} at {label(setting)}: {i}/{len(prompts)} "
-                                                     f"prompts | eta {int(eta // 60)}m{int(eta % 60):02d}s")))
+                    r["train_seconds"].append(run["train_seconds"])
+                    r["val"].append(run["val"])
+                for t, measured in by_setting.items():
+                    r["spec"].setdefault(t, []).append(measured)
             if seed == 0 or name == args.drafters[-1]:  # every variant has as many seeds: a report so far
                 results["seeds"] = seed + 1
                 summarize(results)
                 with open(so_far, "w") as f:
                     f.write(markdown(results) + "\n")
     return results
+
+
+def saved_run(out, key):
+    """The run's saved measurements (decoded.json) if they were taken with these flags, else None."""
+    path = os.path.join(out, "decoded.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        run = json.load(f)
+    return run if run.pop("key") == key else None
+
+
+def save_run(out, key, run):
+    """decoded.json, written whole: a bench killed while writing it leaves none."""
+    tmp = os.path.join(out, "decoded.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"key": key, **run}, f)
+    os.replace(tmp, os.path.join(out, "decoded.json"))
+
+
+def train_and_measure(name, out, seed, args, base, settings, target, tokenizer, val, prompts, unary_paths, log):
+    """One run: trained (or resumed, from a killed bench), its validation metrics, its paths' decodes at every
+    setting. -> {train_seconds, val, spec: {path label: {setting label: spec_eval's}}}."""
+    import train
+    targs = train.parse_args(base)
+    resume = ["--resume"] if os.path.isfile(os.path.join(out, "resume.pt")) else []  # a killed bench goes on
+    run_args = train.parse_args(base + ["--out-dir", out, "--seed", str(seed), *DRAFTERS[name], *resume,
+                                        "--decode-prompts", "0"])  # the bench decodes its own prompts
+    t0 = time.time()
+    train.train(run_args)
+    train_seconds = time.time() - t0
+    paths = decoding_paths(name, out, run_args.selector_top_k, unary_paths)
+    val_stats = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks)
+    at_write_up = val_metrics(paths[name], target, val, targs, tokenizer.pad_token_id, args.val_blocks,
+                              accept_at=WRITE_UP)
+    val_stats["at_write_up"] = {k: at_write_up[k] for k in ACCEPT_KEYS if k in at_write_up}
+    spec = {path_label: {label(t): spec_eval(d, target, prompts, args, t, tokenizer.eos_token_id,
+                                             lambda i, eta: log(f"decode | {path_label} at {label(t)}: {i}/"
+                                                                f"{len(prompts)} prompts | eta {int(eta // 60)}m"
+                                                                f"{int(eta % 60):02d}s"))
+                         for t in settings}
+            for path_label, d in paths.items()}
+    return {"train_seconds": train_seconds, "val": val_stats, "spec": spec}
 
 
 RATIOS = (("ratio_vs_dflash", "{} / DFlash"), ("ratio_vs_unary_path", "{} / its unary path"),

@@ -39,7 +39,7 @@ target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs c
 identical; with the field's counts (per-request and pooled AL, acceptance per draft position)
 and this CPU's break-even AL at each draft length.
 A killed run started again goes on: the world from its cache, each drafter from its
-resume.pt (a finished one is not trained again).
+resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again.
 """
 import argparse
 import ast

@@ -12,6 +12,7 @@ import os
 import re
 import statistics
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -268,6 +269,38 @@ def test_ablation_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
     with pytest.raises(ValueError, match=flag[0]):
         ablation.main(ablation.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
+
+
+def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, monkeypatch):
+    """train_and_decode keeps each run's measurements in its run dir: started again with the same flags it trains and
+    decodes nothing and reports what the first start did; with a setting more, every run is measured again."""
+    measured = []
+
+    def train_and_measure(name, out, seed, args, base, settings, *rest):
+        measured.append((name, seed))
+        os.makedirs(out, exist_ok=True)
+        spec = {ablation.label(t): {"al": [2.0 + seed, 1.0 + len(name)], "seconds": 0.5} for t in settings}
+        return {"train_seconds": 10.0 * len(measured), "val": {"loss": 1.0 / len(measured)}, "spec": {name: spec}}
+
+    monkeypatch.setattr(ablation, "train_and_measure", train_and_measure)
+    monkeypatch.setattr(ablation, "summarize", lambda results: None)
+    monkeypatch.setattr(ablation, "markdown", lambda results: "")
+    args = SimpleNamespace(seeds=2, drafters=["DFlash", "DFlash2"], eval_tokens=8, val_blocks=4,
+                           out_dir=str(tmp_path))
+    greedy, sampled = (0.0, 1.0, 0), (1.0, 1.0, 0)
+
+    def start(settings):
+        return ablation.train_and_decode({"variants": {}}, args, ["--steps", "3"], settings, None, None, None,
+                                         [[1], [2]], str(tmp_path / "so_far.md"))["variants"]
+
+    first = start([greedy])
+    runs = [(name, seed) for seed in range(2) for name in args.drafters]
+    assert measured == runs, f"the first start measured {measured}"
+    again = start([greedy])
+    assert measured == runs, f"started again with the same flags, it measured {measured[len(runs):]} again"
+    assert again == first, f"started again, it reports {again}; the first start {first}"
+    start([greedy, sampled])
+    assert measured == runs + runs, f"with a setting more, it measured {measured[len(runs):]} again"
 
 
 @pytest.mark.parametrize("flag", [["--parts", "draft,speed"], ["--repeats", "0"], ["--context", "0"],
@@ -886,7 +919,6 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
     """real.wall_clock over the recorded prompts, each decoder's call replaying recorded_call on a clock it advances
     by the call's seconds (a spec_generate draft length the block cannot verify refused as spec_generate refuses
     it). -> (wall_clock's results, the decoders' names in the order they ran, the warm-up calls first)."""
-    from types import SimpleNamespace
     clock, order = [0.0], []
 
     def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
