@@ -238,10 +238,8 @@ def start_ranks():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # a CPU: the step's large tensors reuse freed pages; the ranks of one machine share its cores
-        memory.keep_freed_memory()
-        if world > 1:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
+    elif world > 1:  # CPU ranks of one machine share its cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1))))
     if rank:  # downloads and tokenization show one progress bar, rank 0's
         datasets.disable_progress_bars()
         transformers.utils.logging.disable_progress_bar()

@@ -226,10 +226,7 @@ def train_part(device, repeats, quick):
     interleaved; each step's floor is its product FLOPs at this machine's product rate, timed in the same
     rounds."""
     import train
-    from harness.memory import keep_freed_memory
     from harness.target import TargetFeatures, native_bf16_cpu
-    if device.type == "cpu":  # as train.py's step runs there
-        keep_freed_memory()
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)

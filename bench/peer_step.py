@@ -30,8 +30,6 @@ Each side runs as its own code runs on a CPU, and so the steps differ beyond the
   - loss: its eager implementation over all slots at once (its fused losses are Triton kernels, for a GPU); ours
     under torch.compile. Its forward is compiled only on CUDA (conditional_torch_compile): eager here.
   - optimizer: its AdamW is torch's default, a loop over the tensors on a CPU; ours is fused.
-Both run with glibc keeping freed memory (harness.memory.keep_freed_memory, as train.py runs on a CPU): a process-wide
-setting.
 
 Reports each step's median seconds over rounds interleaved (ours, ours DFlash, speculators, ...) after a warm-up
 round (ours compiles there), speculators / ours as the median of the per-round ratios with a paired 95% bootstrap
@@ -156,9 +154,7 @@ def measure(quick, rounds):
         raise ValueError("speculators is missing: pip install --no-deps speculators==0.9.0 (bench/peer_step.py's "
                          "docstring lists what its import needs)") from None
     import train
-    from harness.memory import keep_freed_memory
     from harness.target import TargetFeatures, native_bf16_cpu
-    keep_freed_memory()  # as train.py's step runs on a CPU
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)

@@ -31,9 +31,6 @@ it yet: `python -m bench.gpu_check` compares it with CUDA's measured peak, but h
 run on a GPU.
 """
 import argparse
-import ctypes
-import ctypes.util
-import platform
 
 import torch
 
@@ -59,19 +56,6 @@ LOSS_CHUNK_LOGITS = 1024 * 151_936
 def train_loss_chunk(vocab_size):
     """train.py's loss chunk at this vocabulary: the slots whose (n, V) tensors live at once."""
     return max(1, LOSS_CHUNK_LOGITS // vocab_size)
-
-
-def keep_freed_memory():
-    """Let the process keep what it frees for its next allocations (glibc's malloc; elsewhere nothing changes). A
-    training step allocates the same large tensors every step, slots × vocabulary above all; by default glibc hands
-    each freed block of 128 KiB or more back to the OS, and the next step's first touch of each of its 4 KiB pages
-    faults and zeroes it again: on a CPU, about a third of a cached bf16 step at bench.real's shape
-    (bench/RESULTS.md). The memory held is the step's own peak, kept for the next step. -> whether it applied."""
-    if platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    mmap_threshold, trim_threshold = -3, -1  # malloc.h's M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
-    return bool(libc.mallopt(mmap_threshold, 2**30) and libc.mallopt(trim_threshold, 2**31 - 1))
 
 
 def sizing_config(target_config, **fields):

@@ -259,38 +259,6 @@ def test_the_plan_counts_the_factored_selectors_parameters(tmp_path):
     assert plans["free"]["drafter_params"] != plans["factored"]["drafter_params"], "the two selectors are one size"
 
 
-STEPS_PAGE_FAULTS = """
-import resource, sys, torch
-from harness.memory import keep_freed_memory
-applied = keep_freed_memory() if sys.argv[1] == "keep" else None
-faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for step in range(6):
-    before = faults()
-    logits = [torch.ones(2 ** 24) for _ in range(3)]
-    product = logits[0] * logits[1]
-    del logits, product
-print(applied, faults() - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc")
-def test_keep_freed_memory_lets_each_step_reuse_the_last_steps_pages():
-    """Steps that each make and free four 64 MiB tensors (above glibc's largest mmap threshold, as a step's slots ×
-    vocabulary tensors are): with glibc's defaults every step faults on all 65,536 of their 4 KiB pages again; after
-    keep_freed_memory (train.py's CPU step) the sixth step takes the pages earlier steps freed, nearly no fault."""
-    pages, counts = 4 * 2 ** 26 // 4096, {}
-    for mode in ("default", "keep"):
-        out = subprocess.run([sys.executable, "-c", STEPS_PAGE_FAULTS, mode], capture_output=True, text=True,
-                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), check=True).stdout
-        applied, faults = out.split()
-        assert mode == "default" or applied == "True", f"keep_freed_memory did not apply: {out!r}"
-        counts[mode] = int(faults)
-    assert counts["default"] > 0.9 * pages, f"with the default malloc a step faulted {counts['default']} times for " \
-        f"{pages} pages: the test cannot show the difference"
-    assert counts["keep"] < 0.05 * pages, f"after keep_freed_memory the sixth step faulted {counts['keep']} times " \
-        f"({pages} pages; {counts['default']} without it)"
-
-
 def test_train_py_loss_chunk_holds_the_same_logits_at_every_vocabulary():
     """train.py's chunk is the most slots whose logits fit LOSS_CHUNK_LOGITS (1,024 at Qwen3's vocabulary), at least
     one; train.py's loss config and the plan both take it."""
