@@ -268,9 +268,9 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
     return results
 
 
-def saved_run(out, key):
-    """The run's saved measurements (decoded.json) if they were taken with these flags, else None."""
-    path = os.path.join(out, "decoded.json")
+def saved_run(out, key, name="decoded.json"):
+    """The run's saved measurements (in its file `name`) if they were taken with these flags, else None."""
+    path = os.path.join(out, name)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -278,12 +278,12 @@ def saved_run(out, key):
     return run if run.pop("key") == key else None
 
 
-def save_run(out, key, run):
-    """decoded.json, written whole: a bench killed while writing it leaves none."""
-    tmp = os.path.join(out, "decoded.json.tmp")
+def save_run(out, key, run, name="decoded.json"):
+    """The run's measurements with their key, written whole: a bench killed while writing leaves no file."""
+    tmp = os.path.join(out, name + ".tmp")
     with open(tmp, "w") as f:
         json.dump({"key": key, **run}, f)
-    os.replace(tmp, os.path.join(out, "decoded.json"))
+    os.replace(tmp, os.path.join(out, name))
 
 
 def train_and_measure(name, out, seed, args, base, settings, target, tokenizer, val, prompts, unary_paths, log):

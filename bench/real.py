@@ -39,7 +39,8 @@ target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs c
 identical; with the field's counts (per-request and pooled AL, acceptance per draft position)
 and this CPU's break-even AL at each draft length.
 A killed run started again goes on: the world from its cache, each drafter from its
-resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again.
+resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again,
+nor its wall clock timed again (wall_clock.json).
 """
 import argparse
 import ast
@@ -62,7 +63,7 @@ import dflash2
 from harness import checkpoint, tiny_world
 from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
-                            run_dir, spec_eval, train_and_decode)
+                            run_dir, save_run, saved_run, spec_eval, train_and_decode)
 from bench.common import (ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows,
                           write_results)
 
@@ -378,6 +379,23 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
     return out
 
 
+def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
+    """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
+    kept in its run dir (wall_clock.json, with the flags that made it): a bench started again reads
+    it instead of timing again."""
+    out = run_dir(args.out_dir, name, 0)
+    key = {"wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens, "sets": list(prompt_sets)}
+    clock = saved_run(out, key, "wall_clock.json")
+    if clock is not None:
+        log(f"wall clock of {name}: measured before with these flags, read from {out}/wall_clock.json")
+        return clock
+    drafter = checkpoint.load_export(os.path.join(out, "checkpoint")).eval()
+    clock = {where: wall_clock(drafter, target, prompts[:args.wall_prompts], args.eval_tokens, stop_id, log=log)
+             for where, prompts in prompt_sets.items()}
+    save_run(out, key, clock, "wall_clock.json")
+    return clock
+
+
 def acceptance_counts(stats, positions):
     """spec_generate's GenerationStats over prompts -> the field's counts: the per-request mean AL (each
     prompt's mean, then their mean), the pooled AL (tokens committed over cycles, all prompts together),
@@ -514,11 +532,9 @@ def measure(args, log=print):
     walks = [n for n in args.drafters if n != "DFlash" and greedy in results["summary"][n]]
     if greedy == "T=0" and walks:  # the wall clock of the best drafter with a selector, at T = 0
         best = max(walks, key=lambda n: results["summary"][n][greedy]["al"][0])
-        drafter = checkpoint.load_export(os.path.join(run_dir(args.out_dir, best, 0), "checkpoint")).eval()
-        results["wall_clock"] = {"drafter": best, **{
-            where: wall_clock(drafter, target, these[:args.wall_prompts], args.eval_tokens, tokenizer.eos_token_id,
-                              log=log)
-            for where, these in (("held-out modules", prompts_of(val, len(val))), ("HumanEval", prompts))}}
+        results["wall_clock"] = {"drafter": best, **drafter_wall_clock(
+            args, best, target, {"held-out modules": prompts_of(val, len(val)), "HumanEval": prompts},
+            tokenizer.eos_token_id, log)}
     return results
 
 

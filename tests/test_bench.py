@@ -303,6 +303,30 @@ def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, m
     assert measured == runs + runs, f"with a setting more, it measured {measured[len(runs):]} again"
 
 
+def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypatch):
+    """bench.real keeps the drafter's wall clock in its run dir: started again with the same flags it times nothing
+    and reports what the first start timed; with more prompts it times every set again."""
+    timed = []
+
+    def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
+        timed.append(list(prompts))
+        return {"prompts": len(prompts), "tokens_per_s": {"target_generate": 10.0 + len(timed)}, "spec": {3: {}}}
+
+    monkeypatch.setattr(real, "wall_clock", wall_clock)
+    monkeypatch.setattr(real.checkpoint, "load_export", lambda path: torch.nn.Identity())
+    sets = {"held-out modules": [[1], [2], [3]], "HumanEval": [[4], [5], [6]]}
+    args = SimpleNamespace(out_dir=str(tmp_path), wall_prompts=2, eval_tokens=8)
+    os.makedirs(ablation.run_dir(args.out_dir, "DFlash2", 0))
+    first = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert timed == [[[1], [2]], [[4], [5]]], f"the first start timed {timed}"
+    again = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert len(timed) == 2, f"started again with the same flags, it timed {timed[2:]} again"
+    assert json.loads(json.dumps(first)) == again, f"started again, it reports {again}; the first start {first}"
+    args.wall_prompts = 3
+    real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert timed[2:] == [[[1], [2], [3]], [[4], [5], [6]]], f"with a prompt more, it timed {timed[2:]}"
+
+
 @pytest.mark.parametrize("flag", [["--parts", "draft,speed"], ["--repeats", "0"], ["--context", "0"],
                                   ["--device", "gpu0"]])
 def test_cost_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
