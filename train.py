@@ -250,6 +250,7 @@ def start_ranks():
 
 def train(args):
     """The run of args -> {val, al_t0, al_t1, step, losses, out_dir, target}."""
+    memory.use_huge_pages()
     world, rank, device, log = start_ranks()
     master, resume_file = rank == 0, checkpoint.check_out_dir(args.out_dir, args.resume)
     # the target's tokenizer and config, the memory plan (a GPU), the rows and the drafter: every shape or data

@@ -32,7 +32,7 @@ import torch
 import dflash2
 from bench.common import (QWEN3_4B, median, median_seconds, qwen3_config, random_target, round_ratio_ci,
                           round_seconds, write_results)
-from harness.memory import memory_plan, sizing_config, train_loss_chunk
+from harness.memory import memory_plan, sizing_config, train_loss_chunk, use_huge_pages
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
@@ -532,6 +532,7 @@ def check_args(args):
 
 def main(args):
     check_args(args)
+    use_huge_pages()  # before the first large tensor
     os.makedirs(args.out_dir, exist_ok=True)
     repeats, results, t0 = 1 if args.quick else args.repeats, {}, time.time()
     if "draft" in args.parts:

@@ -51,7 +51,7 @@ import torch
 import dflash2
 from bench.common import ci_text, median, random_target, round_ratio_ci, round_seconds, write_results
 from bench.cost import SMOLLM2_135M, cpu_model, product_flops
-from harness.memory import sizing_config
+from harness.memory import sizing_config, use_huge_pages
 
 STEPS = ("ours", "ours, DFlash", "speculators")
 
@@ -241,6 +241,7 @@ def check_args(args):
 
 def main(args):
     check_args(args)
+    use_huge_pages()  # before the first large tensor
     t0 = time.time()
     results = measure(args.quick, 1 if args.quick else args.rounds)
     results["wall_seconds"] = time.time() - t0

@@ -61,6 +61,7 @@ import torch
 
 import dflash2
 from harness import checkpoint, tiny_world
+from harness.memory import use_huge_pages
 from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, save_run, saved_run, spec_eval, train_and_decode)
@@ -671,6 +672,7 @@ def curves_markdown(curves):
 
 def main(args):
     check_args(args)
+    use_huge_pages()  # before the first large tensor
     os.makedirs(args.out_dir, exist_ok=True)
     t0 = time.time()
     if args.decoding_dtypes:
