@@ -30,7 +30,7 @@ they share (--cache-target-features disk:FOLDER), evaluated on the validation bl
 answers: the stop token or --eval-tokens) with spec_generate at every sampling setting, with
 the float32 target that decoding on a CPU uses (DFlash2 and the factored one also through
 their unary paths, the same weights with the selector off; the label options through their
-walk only), and the held-out modules' first --eval-prompts requests at T = 0. Intervals
+walk only), and the held-out modules' first --eval-prompts requests at every setting. Intervals
 are paired 95% bootstraps over the prompts (and seeds, --seeds).
 Then the wall clock, on --wall-prompts of the held-out modules' requests and of HumanEval's:
 the best drafter with a selector at draft lengths 3, 5 and B - 1, against what a user runs
@@ -637,27 +637,35 @@ def check_held_out_rows(val_prompts, held_out_prompts):
 
 
 def held_out_al(args, base, target, prompts, stop_id, log=print):
-    """Each drafter (and DFlash2's unary path) decoding the held-out modules' requests at T = 0,
-    seed 0: -> {"prompts": n, "al": {path: [per-prompt AL]}, "summary": {path: (mean, lo, hi)},
-    "ratios": {"DFlash2 / DFlash": ..., "DFlash2 / its unary path": ...}}, paired over prompts."""
+    """Each drafter (and DFlash2's unary path) decoding the held-out modules' requests at every sampling
+    setting, seed 0: -> {"prompts": n, "al": {setting: {path: [per-prompt AL]}}, "summary": {setting: {path:
+    (mean, lo, hi)}}, "ratios": {setting: {"DFlash2 / DFlash": ..., "DFlash2 / its unary path": ...}}}, paired
+    over prompts."""
     import train
-    als = {}
+    als = {label(t): {} for t in args.settings}
     for name in args.drafters:
         selector_on = train.parse_args(base + DRAFTERS[name]).selector_top_k
         for path, d in decoding_paths(name, run_dir(args.out_dir, name, 0), selector_on, UNARY_PATHS).items():
-            als[path] = spec_eval(d, target, prompts, args, (0.0, 1.0, 0), stop_id)["al"]
-            log(f"held-out modules | {path} at T=0: mean AL {sum(als[path]) / len(prompts):.2f}")
-    grid = lambda path: torch.tensor([als[path]], dtype=torch.float64)
+            for setting in args.settings:
+                al = als[label(setting)][path] = spec_eval(d, target, prompts, args, setting, stop_id)["al"]
+                log(f"held-out modules | {path} at {label(setting)}: mean AL {sum(al) / len(prompts):.2f}")
+    grid = lambda x: torch.tensor([x], dtype=torch.float64)
     pairs = {"DFlash2 / DFlash": ("DFlash2", "DFlash"), "DFlash2 / its unary path": ("DFlash2", "DFlash2, unary path")}
-    return {"prompts": len(prompts), "al": als, "summary": {p: mean_ci(grid(p)) for p in als},
-            "ratios": {k: ratio_ci(grid(a), grid(b)) for k, (a, b) in pairs.items() if a in als and b in als}}
+    return {"prompts": len(prompts), "al": als,
+            "summary": {t: {p: mean_ci(grid(x)) for p, x in by_path.items()} for t, by_path in als.items()},
+            "ratios": {t: {k: ratio_ci(grid(by_path[a]), grid(by_path[b])) for k, (a, b) in pairs.items()
+                           if a in by_path and b in by_path} for t, by_path in als.items()}}
 
 
 def held_out_markdown(h):
-    lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, T = 0, seed 0, paired 95% "
-             "bootstrap over prompts):", "", "| path | mean AL |", "|---|---|"]
-    lines += [f"| {p} | {ci_text(*v)} |" for p, v in h["summary"].items()]
-    lines += [f"| **{k}** | **{ci_text(*v)}** |" for k, v in h["ratios"].items()]
+    settings = list(h["summary"])
+    lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, seed 0, paired 95% bootstrap "
+             "over prompts): mean AL", "", "| path | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+    rows = {p: None for t in settings for p in h["summary"][t]} | {k: "**" for t in settings for k in h["ratios"][t]}
+    for row, bold in rows.items():
+        cells = [h["summary"][t].get(row) or h["ratios"][t].get(row) for t in settings]
+        cells = [f"{bold or ''}{ci_text(*c)}{bold or ''}" if c else "" for c in cells]
+        lines.append(f"| {bold or ''}{row}{bold or ''} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 

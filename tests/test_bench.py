@@ -393,6 +393,40 @@ class _Private:
                                         "    " + " ".join(["word"] * 10), '    """'], wrapped
 
 
+def test_held_out_al_decodes_every_path_at_every_setting_and_pairs_the_ratios(monkeypatch):
+    """held_out_al decodes each drafter's paths (DFlash2's unary path too) at each setting, once, and each ratio is
+    the ratio of the two paths' mean AL at that setting (the bootstrap's interval around it); the markdown shows
+    every path and ratio under every setting."""
+    decoded = []
+    fake_al = {"DFlash2": 3.0, "DFlash2, unary path": 2.5, "DFlash": 2.0}
+
+    def decoding_paths(name, out, selector_on, unary_paths):
+        return {name: name, **({f"{name}, unary path": f"{name}, unary path"} if selector_on else {})}
+
+    def spec_eval(path, target, prompts, args, setting, stop_id):
+        decoded.append((path, setting))
+        return {"al": [fake_al[path] * (1 + setting[0]) + 0.1 * i for i in range(len(prompts))]}
+
+    monkeypatch.setattr(real, "decoding_paths", decoding_paths)
+    monkeypatch.setattr(real, "spec_eval", spec_eval)
+    greedy, write_up = (0.0, 1.0, 0), (1.0, 0.95, 20)
+    args = SimpleNamespace(settings=[greedy, write_up], drafters=["DFlash2", "DFlash"], out_dir="unused")
+    h = real.held_out_al(args, [], None, [[1], [2], [3], [4]], 0, log=lambda line: None)
+    paths = ["DFlash2", "DFlash2, unary path", "DFlash"]
+    assert sorted(decoded) == sorted((p, t) for p in paths for t in args.settings), f"decoded {decoded}"
+    for t in args.settings:
+        mean = lambda p: statistics.mean(fake_al[p] * (1 + t[0]) + 0.1 * i for i in range(4))
+        for name, (a, b) in {"DFlash2 / DFlash": ("DFlash2", "DFlash"),
+                             "DFlash2 / its unary path": ("DFlash2", "DFlash2, unary path")}.items():
+            got = h["ratios"][ablation.label(t)][name]
+            assert got[0] == pytest.approx(mean(a) / mean(b)) and got[1] <= got[0] <= got[2], f"{name} at {t}: {got}"
+    table = real.held_out_markdown(h)
+    assert "| path | T=0 | T=1, top-p 0.95, top-k 20 |" in table, table
+    for row in paths + ["**DFlash2 / DFlash**", "**DFlash2 / its unary path**"]:
+        line = next(l for l in table.splitlines() if l.startswith(f"| {row} |"))
+        assert line.count("[") == 2, f"the row {line!r} has not an interval under each setting"
+
+
 def test_held_out_modules_are_whole_and_about_the_size_asked():
     """For every size asked and every seed the held-out set is whole modules with at least `rows`
     requests and at most 1.5 × rows, the same again for the same seed; asked for more than the
