@@ -661,11 +661,10 @@ def held_out_markdown(h):
     settings = list(h["summary"])
     lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, seed 0, paired 95% bootstrap "
              "over prompts): mean AL", "", "| path | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
-    rows = {p: None for t in settings for p in h["summary"][t]} | {k: "**" for t in settings for k in h["ratios"][t]}
-    for row, bold in rows.items():
-        cells = [h["summary"][t].get(row) or h["ratios"][t].get(row) for t in settings]
-        cells = [f"{bold or ''}{ci_text(*c)}{bold or ''}" if c else "" for c in cells]
-        lines.append(f"| {bold or ''}{row}{bold or ''} | " + " | ".join(cells) + " |")
+    for table, bold in ((h["summary"], ""), (h["ratios"], "**")):  # the paths' AL, then the ratios in bold
+        for row in {r: None for t in settings for r in table[t]}:
+            cells = [f"{bold}{ci_text(*table[t][row])}{bold}" if row in table[t] else "" for t in settings]
+            lines.append(f"| {bold}{row}{bold} | " + " | ".join(cells) + " |")
     return "\n".join(lines + [""])
 
 
