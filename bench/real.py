@@ -660,7 +660,8 @@ def held_out_al(args, base, target, prompts, stop_id, log=print):
 def held_out_markdown(h):
     settings = list(h["summary"])
     lines = [f"Held-out modules (never trained on; {h['prompts']} of their requests, seed 0, paired 95% bootstrap "
-             "over prompts): mean AL", "", "| path | " + " | ".join(settings) + " |", "|---" * (len(settings) + 1) + "|"]
+             "over prompts): mean AL", "", "| path | " + " | ".join(settings) + " |",
+             "|---" * (len(settings) + 1) + "|"]
     for table, bold in ((h["summary"], ""), (h["ratios"], "**")):  # the paths' AL, then the ratios in bold
         for row in {r: None for t in settings for r in table[t]}:
             cells = [f"{bold}{ci_text(*table[t][row])}{bold}" if row in table[t] else "" for t in settings]

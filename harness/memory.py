@@ -63,8 +63,8 @@ def use_huge_pages():
     """Have torch's CPU allocator back each tensor of 2 MiB or more with transparent huge pages (its
     THP_MEM_ALLOC_ENABLE, read at its first such allocation: call this before; a value already set is kept). A
     training step allocates its slots × vocabulary tensors afresh each step, and in 4 KiB pages the first touch of
-    each page faults: at bench.real's shape 288,000 faults a step, 3,900 in 2 MiB pages, the bf16 cached step 15%
-    faster (bench/RESULTS.md). Freed tensors still go back to the system, so memory stays what the step holds."""
+    each page faults: at bench.real's shape about 360,000 faults a step, under 10,000 in 2 MiB pages (bench/RESULTS.md,
+    the training step). Freed tensors still go back to the system, so memory stays what the step holds."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 
