@@ -270,12 +270,24 @@ def train_and_decode(results, args, base, settings, target, tokenizer, val, prom
 
 def saved_run(out, key, name="decoded.json"):
     """The run's saved measurements (in its file `name`) if they were taken with these flags, else None."""
+    run = saved_file(out, name)
+    return run if run is not None and run.pop("key") == key else None
+
+
+def saved_key(out, name="decoded.json"):
+    """The flags the run's measurements in its file `name` were taken with (for decoded.json: those that trained
+    its drafter), or None where there are none."""
+    run = saved_file(out, name)
+    return None if run is None else run["key"]
+
+
+def saved_file(out, name):
+    """The run dir's file `name` as save_run wrote it, or None."""
     path = os.path.join(out, name)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        run = json.load(f)
-    return run if run.pop("key") == key else None
+        return json.load(f)
 
 
 def save_run(out, key, run, name="decoded.json"):

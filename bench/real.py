@@ -64,7 +64,7 @@ from harness import checkpoint, tiny_world
 from harness.memory import use_huge_pages
 from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
-                            run_dir, save_run, saved_run, spec_eval, train_and_decode)
+                            run_dir, save_run, saved_key, saved_run, spec_eval, train_and_decode)
 from bench.common import (ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows,
                           write_results)
 
@@ -382,10 +382,12 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
 
 def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
     """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
-    kept in its run dir (wall_clock.json, with the flags that made it): a bench started again reads
-    it instead of timing again."""
+    kept in its run dir (wall_clock.json, with the flags that made it and the drafter's own, from its
+    decoded.json): a bench started again reads it instead of timing again, unless the drafter was
+    trained again since."""
     out = run_dir(args.out_dir, name, 0)
-    key = {"wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens, "sets": list(prompt_sets)}
+    key = {"drafter": saved_key(out), "wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens,
+           "sets": list(prompt_sets)}
     clock = saved_run(out, key, "wall_clock.json")
     if clock is not None:
         log(f"wall clock of {name}: measured before with these flags, read from {out}/wall_clock.json")

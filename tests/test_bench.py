@@ -305,7 +305,8 @@ def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, m
 
 def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypatch):
     """bench.real keeps the drafter's wall clock in its run dir: started again with the same flags it times nothing
-    and reports what the first start timed; with more prompts it times every set again."""
+    and reports what the first start timed; with more prompts, or once the drafter is trained again with other
+    flags (its decoded.json's key), it times every set again."""
     timed = []
 
     def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
@@ -316,7 +317,9 @@ def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypat
     monkeypatch.setattr(real.checkpoint, "load_export", lambda path: torch.nn.Identity())
     sets = {"held-out modules": [[1], [2], [3]], "HumanEval": [[4], [5], [6]]}
     args = SimpleNamespace(out_dir=str(tmp_path), wall_prompts=2, eval_tokens=8)
-    os.makedirs(ablation.run_dir(args.out_dir, "DFlash2", 0))
+    out = ablation.run_dir(args.out_dir, "DFlash2", 0)
+    os.makedirs(out)
+    ablation.save_run(out, {"flags": ["--steps", "3"]}, {"spec": {}})
     first = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
     assert timed == [[[1], [2]], [[4], [5]]], f"the first start timed {timed}"
     again = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
@@ -325,6 +328,9 @@ def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypat
     args.wall_prompts = 3
     real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
     assert timed[2:] == [[[1], [2], [3]], [[4], [5], [6]]], f"with a prompt more, it timed {timed[2:]}"
+    ablation.save_run(out, {"flags": ["--steps", "4"]}, {"spec": {}})
+    real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert len(timed) == 6, f"with the drafter trained again, it timed {timed[4:]}"
 
 
 @pytest.mark.parametrize("flag", [["--parts", "draft,speed"], ["--repeats", "0"], ["--context", "0"],
