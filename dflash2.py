@@ -465,31 +465,27 @@ def default_gamma(block_size):
     """γ of the position weights w_k = exp(-(k-1)/γ): the published 4/5/7 for B = 8/10/16, else B/2."""
     return {8: 4.0, 10: 5.0, 16: 7.0}.get(block_size, block_size / 2)
 
-def slot_sums(view, selector, cfg, h, g, prev, w):
+def slot_sums(view, selector, cfg, h, g, prev, w, top_k=torch.topk):
     """Σ over n slots of w·(their §6 terms): h (n, H) the drafter's output, g (n, H) the target's last hidden state
     at t − 1, prev (n,) the data token there, w (n,) the slot weights.
         unary     kl: ℓ = Σ_v p_v·(log p_v − log q_v),  p = softmax(z), q = softmax(U);   ce: ℓ = −log q_y,  y = argmax z
-        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = topk(U, K),  π = one-hot(y) ("argmax") or the
-                  target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at))
+        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = top_k(U, K),  π = one-hot(y) ("argmax") or the
+                  target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at)); top_k: gives torch.topk's values
     -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
     U, z = view.logits(h), view.logits(g)
-    log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
-    soft = selector is not None and cfg.selector_labels == "soft"
-    # p as exp(log p), a pointwise of z: compiled, it is recomputed where it is read instead of stored (softmax's is)
-    p = F.log_softmax(z, dim=-1).exp() if cfg.loss_type == "kl" or soft else None
-    if cfg.loss_type == "kl":  # xlogy: a target logit of -inf gives p = 0, a term of 0 (not 0·-inf = NaN)
-        ell = (torch.special.xlogy(p, p) - p * log_q).sum(-1)
+    log_q, log_p, y = F.log_softmax(U, dim=-1), F.log_softmax(z, dim=-1), z.argmax(-1)
+    p = log_p.exp()  # a pointwise of z: compiled, it is recomputed where it is read instead of stored (softmax's is)
+    if cfg.loss_type == "kl":  # a target logit of -inf: p = 0 and a term of 0, not 0·(-inf) = NaN
+        ell = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)
     else:
         ell = -log_q.gather(-1, y[:, None]).squeeze(-1)
     sums = {"unary": (w * ell).sum()}
     if selector is None:
         return sums
-    C = U.topk(selector.top_k, dim=-1).indices                                      # (n, K)
+    C = top_k(U, selector.top_k, dim=-1).indices                                    # (n, K)
     E = selector.edge_scores(h, U, prev, C, view.W_in)                              # (n, K)
-    if soft:
-        pi = (sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p).gather(-1, C)
-    else:
-        pi = (C == y[:, None]).to(ell.dtype)
+    law = sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p     # the target's, for soft labels
+    pi = law.gather(-1, C) if cfg.selector_labels == "soft" else (C == y[:, None]).to(ell.dtype)        # (n, K)
     sums["selector"] = (w * -(pi * F.log_softmax(E, dim=-1).to(ell.dtype)).sum(-1)).sum()
     sums["selector_weight"] = (w * pi.sum(-1)).sum()
     return sums

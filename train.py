@@ -26,7 +26,7 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel
 
 import dflash2
-from harness import checkpoint, data, memory, metrics, tiny_world
+from harness import checkpoint, data, fast_loss, memory, metrics, tiny_world
 # by name, not the module: in this file `target` is the model
 from harness.target import (DrafterFields, below_float32, feature_cache, load_checked_target, load_config,
                             load_tokenizer, target_features, weights_fingerprint)
@@ -158,9 +158,10 @@ def loss_config(args, vocab_size):
                               soft_labels_at=soft_labels_at, chunk_size=memory.train_loss_chunk(vocab_size))
 
 def compiled_loss(device, log):
-    """dflash2.slot_sums under torch.compile (dynamic shapes: one compile serves every slot count) where the device
-    has a compiler (C++ for a CPU, Triton for a GPU) and TORCH_COMPILE_DISABLE is unset, else the eager formula,
-    with one line saying why: the same values either way."""
+    """The §6 loss's sums as harness.fast_loss writes them (dflash2.slot_sums with a cheaper exact top-K), under
+    torch.compile (dynamic shapes: one compile serves every slot count) where the device has a compiler (C++ for a
+    CPU, Triton for a GPU) and TORCH_COMPILE_DISABLE is unset, else eager, with one line saying why: the same values
+    either way."""
     from torch.utils._triton import has_triton
     compilers = {"cpu": None if any(map(shutil.which, ("g++", "c++", "clang++"))) else "no C++ compiler on PATH",
                  "cuda": None if has_triton() else "Triton is not installed"}
@@ -168,9 +169,9 @@ def compiled_loss(device, log):
                compilers.get(device.type, f"a {device.type} device"))
     if missing:
         log(f"loss: the eager formula ({missing})")
-        return dflash2.slot_sums
+        return fast_loss.slot_sums
     log("loss: the formula under torch.compile (compiled on the first step)")
-    return torch.compile(dflash2.slot_sums, dynamic=True)
+    return torch.compile(fast_loss.slot_sums, dynamic=True)
 
 def mean_over_ranks(*values):
     """The ranks' mean of each scalar, in one all_reduce. Of the loss weights (Σw): dividing each rank's

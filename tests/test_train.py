@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 import dflash2
 import train
-from harness import checkpoint, data, memory, metrics, tiny_world
+from harness import checkpoint, data, fast_loss, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
 from bench import ablation, cost, gpu_check, peer_cycle, peer_step, real
@@ -781,8 +781,8 @@ def test_the_unary_term_is_float32_under_bf16_autocast(compiled):
     ("1", ["g++", "c++"], "TORCH_COMPILE_DISABLE is set"), (None, [], "no C++ compiler on PATH")],
     ids=["DISABLE=0", "DISABLE empty, g++", "c++", "clang++", "DISABLE=1", "no compiler"])
 def test_the_cpu_loss_is_compiled_where_any_cpp_compiler_is(monkeypatch, disable, compilers, why):
-    """train.compiled_loss on a CPU: the formula under torch.compile where any one C++ compiler is on PATH and
-    TORCH_COMPILE_DISABLE is unset, empty or 0 (torch disables on 1 only); else the eager formula, with the line
+    """train.compiled_loss on a CPU: harness.fast_loss's sums under torch.compile where any one C++ compiler is on
+    PATH and TORCH_COMPILE_DISABLE is unset, empty or 0 (torch disables on 1 only); else eager, with the line
     saying why. Only the compilers named are on PATH here."""
     if disable is None:
         monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
@@ -791,8 +791,8 @@ def test_the_cpu_loss_is_compiled_where_any_cpp_compiler_is(monkeypatch, disable
     monkeypatch.setattr(shutil, "which", lambda name: f"/usr/bin/{name}" if name in compilers else None)
     lines = []
     sums_fn = train.compiled_loss(torch.device("cpu"), lines.append)
-    compiled = getattr(sums_fn, "_torchdynamo_orig_callable", None) is dflash2.slot_sums
-    got = "compiled" if compiled else "eager" if sums_fn is dflash2.slot_sums else repr(sums_fn)
+    compiled = getattr(sums_fn, "_torchdynamo_orig_callable", None) is fast_loss.slot_sums
+    got = "compiled" if compiled else "eager" if sums_fn is fast_loss.slot_sums else repr(sums_fn)
     want, line = ("eager", f"loss: the eager formula ({why})") if why else \
         ("compiled", "loss: the formula under torch.compile (compiled on the first step)")
     assert (got, lines) == (want, [line]), f"TORCH_COMPILE_DISABLE={disable!r} with {compilers or 'no compiler'} on " \
