@@ -545,7 +545,8 @@ def dflash2_loss(drafter, view, batch, cfg=None, sums_fn=slot_sums):
 def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
     """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the target's p, and the q
     of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    x = x / temperature if temperature != 1 else x  # at T = 1 the same x, without a pass over it
     if top_k:
         kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))

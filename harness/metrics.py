@@ -25,15 +25,15 @@ def metric_hits(drafter, view, h, g, prev, accept_at):
     the top-K (oracle), teacher-forced pick (tf) and walk right; float at accept_at = (T, top_p, top_k): Σ min(p, q),
     the chance rejection sampling keeps the unary / selector draft (§4), and the target's mass on the top-K."""
     U, z = view.logits(h), view.logits(g)
-    y, p = z.argmax(-1), dflash2.sampling_probs(z, *accept_at)
-    hits = {"unary": U.argmax(-1) == y, "accept_unary": torch.minimum(p, dflash2.sampling_probs(U, *accept_at)).sum(-1)}
+    argmax = lambda x: x.max(-1).indices  # argmax's index (the first on ties) in 0.6x its time on a CPU
+    y, p = argmax(z), dflash2.sampling_probs(z, *accept_at)
+    hits = {"unary": argmax(U) == y, "accept_unary": torch.minimum(p, dflash2.sampling_probs(U, *accept_at)).sum(-1)}
     sel = drafter.candidate_selector
     if sel is not None:
-        cand = U.topk(sel.top_k, dim=-1).indices
+        path, cand, _ = sel.walk(h, U, prev[:, 0], W_in=view.W_in)  # cand: U's top-K, the candidates of every metric
         E, p_cand = sel.edge_scores(h, U, prev, cand, view.W_in), p.gather(-1, cand)
         tf_pick = cand.gather(-1, E.argmax(-1, keepdim=True)).squeeze(-1)
-        hits.update(oracle=(cand == y[..., None]).any(-1), tf=tf_pick == y,
-                    walk=sel.walk(h, U, prev[:, 0], W_in=view.W_in)[0] == y, mass_at_k=p_cand.sum(-1),
+        hits.update(oracle=(cand == y[..., None]).any(-1), tf=tf_pick == y, walk=path == y, mass_at_k=p_cand.sum(-1),
                     accept_selector=torch.minimum(p_cand, F.softmax(E / accept_at[0], -1).to(p.dtype)).sum(-1))
     return hits
 
