@@ -8,6 +8,7 @@ algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports t
     data        chat data -> training rows (the loss mask), batches, the data order and anchor seeds
     checkpoint  a run's drafter (new, or warm-started from an export), the export engines serve (§7), the
                 resume state and the record of a training run
+    fast_loss   the §6 loss as train.py runs it: dflash2.slot_sums with a cheaper top-K of the same values
     metrics     the §6 metrics of a batch, the evaluation on the validation rows, the end-of-run decoding
     memory      the memory plan of a training step on one GPU
     regenerate  on-policy data: the target answers the conversations itself
