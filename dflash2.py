@@ -473,12 +473,11 @@ def slot_sums(view, selector, cfg, h, g, prev, w, top_k=torch.topk):
                   target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at)); top_k: gives torch.topk's values
     -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
     U, z = view.logits(h), view.logits(g)
-    log_q, log_p, y = F.log_softmax(U, dim=-1), F.log_softmax(z, dim=-1), z.argmax(-1)
+    log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
+    # log p floored at the lowest float: a target logit of -inf gives p = 0 and a KL term 0·finite = 0, not NaN
+    log_p = F.log_softmax(z, dim=-1).clamp(min=torch.finfo(z.dtype).min)
     p = log_p.exp()  # a pointwise of z: compiled, it is recomputed where it is read instead of stored (softmax's is)
-    if cfg.loss_type == "kl":  # a target logit of -inf: p = 0 and a term of 0, not 0·(-inf) = NaN
-        ell = torch.where(p > 0, p * (log_p - log_q), 0).sum(-1)
-    else:
-        ell = -log_q.gather(-1, y[:, None]).squeeze(-1)
+    ell = (p * (log_p - log_q)).sum(-1) if cfg.loss_type == "kl" else -log_q.gather(-1, y[:, None]).squeeze(-1)
     sums = {"unary": (w * ell).sum()}
     if selector is None:
         return sums
