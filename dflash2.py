@@ -474,17 +474,19 @@ def slot_sums(view, selector, cfg, h, g, prev, w, top_k=torch.topk):
     -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
     U, z = view.logits(h), view.logits(g)
     log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
-    # log p floored at the lowest float: a target logit of -inf gives p = 0 and a KL term 0·finite = 0, not NaN
-    log_p = F.log_softmax(z, dim=-1).clamp(min=torch.finfo(z.dtype).min)
-    p = log_p.exp()  # a pointwise of z: compiled, it is recomputed where it is read instead of stored (softmax's is)
+    if cfg.loss_type == "kl" or cfg.selector_labels == "soft":  # p = softmax(z), for the KL or the soft labels
+        log_p = F.log_softmax(z, dim=-1).clamp(min=torch.finfo(z.dtype).min)  # -inf: p = 0, a KL term 0, not NaN
+        p = log_p.exp()  # a pointwise of z: compiled, it is recomputed where it is read instead of stored
     ell = (p * (log_p - log_q)).sum(-1) if cfg.loss_type == "kl" else -log_q.gather(-1, y[:, None]).squeeze(-1)
     sums = {"unary": (w * ell).sum()}
     if selector is None:
         return sums
     C = top_k(U, selector.top_k, dim=-1).indices                                    # (n, K)
     E = selector.edge_scores(h, U, prev, C, view.W_in)                              # (n, K)
-    law = sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p     # the target's, for soft labels
-    pi = law.gather(-1, C) if cfg.selector_labels == "soft" else (C == y[:, None]).to(ell.dtype)        # (n, K)
+    if cfg.selector_labels == "soft":
+        pi = (sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p).gather(-1, C)
+    else:
+        pi = (C == y[:, None]).to(ell.dtype)
     sums["selector"] = (w * -(pi * F.log_softmax(E, dim=-1).to(ell.dtype)).sum(-1)).sum()
     sums["selector_weight"] = (w * pi.sum(-1)).sum()
     return sums
@@ -544,8 +546,7 @@ def dflash2_loss(drafter, view, batch, cfg=None, sums_fn=slot_sums):
 def sampling_probs(logits, temperature, top_p=1.0, top_k=0):
     """softmax(logits / T), then the request's top-k / top-p, renormalised (fp32 or fp64): the target's p, and the q
     of a unary draft (the selector walk's q stays softmax(E / T) over K)."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    x = x / temperature if temperature != 1 else x  # at T = 1 the same x, without a pass over it
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
     if top_k:
         kth = x.topk(min(top_k, x.shape[-1]), dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
