@@ -37,6 +37,7 @@ nh/nkv query/key-value heads, hd head dim, nf target feature layers, M blocks wa
 U the drafter's logits, z the target's, f its context features, g its last hidden state, W_in its input embedding
 rows, E the selector's edge scores.
 """
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -45,6 +46,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
+
+if sys.version_info < (3, 10):  # `X | None` fields below
+    raise ImportError(f"dflash2 needs Python 3.10 or newer; this is {sys.version.split()[0]}")
 
 # --- config ------------------------------------------------------------------
 @dataclass
@@ -281,7 +285,7 @@ class CandidateSelector(nn.Module):
 
     def edge_scores(self, h, U, prev, cand, W_in=None):
         """h (..., H), U (..., V), prev (...) predecessor ids, cand (..., K) -> E (..., K) fp32 (even under autocast:
-        in bf16 about 1% of the argmaxes flip); W_in: the target's rows, for factored codebooks."""
+        the walk's argmax tells close scores apart); W_in: the target's rows, for factored codebooks."""
         require(not self.factored or W_in is not None,
                 "a selector with factored codebooks needs the target's input embedding rows (W_in=)")
         with torch.autocast(h.device.type, enabled=False):
@@ -465,23 +469,24 @@ def default_gamma(block_size):
     """γ of the position weights w_k = exp(-(k-1)/γ): the published 4/5/7 for B = 8/10/16, else B/2."""
     return {8: 4.0, 10: 5.0, 16: 7.0}.get(block_size, block_size / 2)
 
-def slot_sums(view, selector, cfg, h, g, prev, w, top_k=torch.topk):
+def slot_sums(view, selector, cfg, h, g, prev, w, topk_fn=torch.topk):
     """Σ over n slots of w·(their §6 terms): h (n, H) the drafter's output, g (n, H) the target's last hidden state
     at t − 1, prev (n,) the data token there, w (n,) the slot weights.
         unary     kl: ℓ = Σ_v p_v·(log p_v − log q_v),  p = softmax(z), q = softmax(U);   ce: ℓ = −log q_y,  y = argmax z
-        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = top_k(U, K),  π = one-hot(y) ("argmax") or the
-                  target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at)); top_k: gives torch.topk's values
+        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = the K largest of U,  π = one-hot(y) ("argmax") or
+                  the target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at))
+    topk_fn finds C: torch.topk, or a cheaper function with its values (train.py passes harness.fast_loss.top_k).
     -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
     U, z = view.logits(h), view.logits(g)
     log_q, y = F.log_softmax(U, dim=-1), z.argmax(-1)
-    if cfg.loss_type == "kl" or cfg.selector_labels == "soft":  # p = softmax(z), for the KL or the soft labels
-        log_p = F.log_softmax(z, dim=-1).clamp(min=torch.finfo(z.dtype).min)  # -inf: p = 0, a KL term 0, not NaN
-        p = log_p.exp()  # a pointwise of z: compiled, it is recomputed where it is read instead of stored
+    uses_p = cfg.loss_type == "kl" or cfg.selector_labels == "soft"
+    log_p = F.log_softmax(z, dim=-1).clamp(min=torch.finfo(z.dtype).min) if uses_p else None  # -inf: p = 0, not NaN
+    p = log_p.exp() if uses_p else None
     ell = (p * (log_p - log_q)).sum(-1) if cfg.loss_type == "kl" else -log_q.gather(-1, y[:, None]).squeeze(-1)
     sums = {"unary": (w * ell).sum()}
     if selector is None:
         return sums
-    C = top_k(U, selector.top_k, dim=-1).indices                                    # (n, K)
+    C = topk_fn(U, selector.top_k, dim=-1).indices                                  # (n, K)
     E = selector.edge_scores(h, U, prev, C, view.W_in)                              # (n, K)
     if cfg.selector_labels == "soft":
         pi = (sampling_probs(z, *cfg.soft_labels_at) if cfg.soft_labels_at else p).gather(-1, C)

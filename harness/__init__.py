@@ -1,7 +1,7 @@
 """
 The second tier: what a real run needs around the reference (dflash2.py). It plugs into dflash2.py through
-plain inputs and never changes what dflash2.py computes: delete it and dflash2.py still holds the whole
-algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports train.py. One module per job:
+plain inputs, and what it swaps in computes dflash2.py's formulas (fast_loss: the same values, another of equally
+large candidates where they tie): delete it and dflash2.py still holds the whole algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports train.py. One module per job:
 
     target      the frozen target: loading, dtype, its family -> the drafter's shape, RoPE and view of the
                 tables, the view check, the mask token, the features the loss reads (cached)
@@ -10,7 +10,7 @@ algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports t
                 resume state and the record of a training run
     fast_loss   the §6 loss as train.py runs it: dflash2.slot_sums with a cheaper top-K of the same values
     metrics     the §6 metrics of a batch, the evaluation on the validation rows, the end-of-run decoding
-    memory      the memory plan of a training step on one GPU
+    memory      the memory plan of a training step on one GPU, the CPU allocator's huge pages
     regenerate  on-policy data: the target answers the conversations itself
     tiny_world  the offline world of `python train.py`: a tiny target and its data, built once and cached
 

@@ -2,9 +2,10 @@
 The §6 loss as train.py runs it: dflash2.slot_sums with a cheaper exact top-K. Not here: the formula itself
 (dflash2.slot_sums), its compilation (train.compiled_loss), the loss's chunking (dflash2.loss_sums).
 
-torch.topk over a (slots, V) tensor selects along each whole row: at SmolLM2's V = 49,152 on a 2-core CPU it takes
-80 ms a step on the bf16 logits, 10x a max pass over them. top_k finds the same values with a max pass over groups
-of 128 columns, a top-K of the V / 128 group maxima and one of the k · 128 columns of the best k groups (24 ms).
+torch.topk over a (slots, V) tensor selects along each whole row; top_k finds the same values with a max pass over
+groups of 128 columns, a top-K of the V / 128 group maxima and one of the k · 128 columns of the best k groups: at
+SmolLM2's V = 49,152 a third of torch.topk's time (bench/RESULTS.md, the training step). A vocabulary of at most
+k · 128 (train.py's tiny world: V = 2048, K = 16) takes torch.topk itself.
 """
 from collections import namedtuple
 
@@ -33,6 +34,8 @@ def top_k(x, k, dim=-1):
 
 
 def slot_sums(view, selector, cfg, h, g, prev, w):
-    """dflash2.slot_sums with this module's top_k: the same sums and gradients (candidates differ only among equal
-    logits)."""
-    return dflash2.slot_sums(view, selector, cfg, h, g, prev, w, top_k=top_k)
+    """dflash2.slot_sums with this module's top_k. The unary sum is the same; the candidates C hold the same logits,
+    but where several logits tie at the K-th place (common in bf16) C may hold another of them than torch.topk's
+    (whose choice among ties is unspecified too), and the selector's sums follow C. Where no tie crosses the K-th
+    place, every sum and gradient is the same."""
+    return dflash2.slot_sums(view, selector, cfg, h, g, prev, w, topk_fn=top_k)

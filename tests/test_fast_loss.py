@@ -100,3 +100,30 @@ def test_the_loss_train_py_runs_equals_the_formula(labels):
         for a, b in zip(got_grads, want_grads):
             assert (a - b).abs().max() <= tol * (1 + b.abs().max()), \
                 f"{where}: a gradient differs by {(a - b).abs().max():.3g}"
+
+
+def test_with_tied_bf16_logits_the_candidates_hold_the_same_values_and_untied_slots_the_same_sums():
+    """Logits of bf16 resolution, as train.py's bf16 step reads them (lm_head in bf16, upcast after): ties at the
+    K-th place are common. Slot by slot, fast_loss.slot_sums against dflash2.slot_sums with torch.topk: the
+    candidates' logits are the K largest of the row (a valid top-K: the same values, each index once) in every slot,
+    and in each slot where no tie crosses the K-th place (the K-th and (K+1)-th largest differ) every sum is the
+    same, to 1e-10 (ties inside the top-K may order the candidates otherwise: the same terms summed in another order)."""
+    K, n = 16, 64
+    selector, view, h, g, prev, w = selector_inputs(torch.Generator().manual_seed(3), n=n)
+    logits = view.logits
+    view = dflash2.TargetView(view.W_in, None, lambda x: logits(x * 4).to(torch.bfloat16).double())
+    U = view.logits(h)
+    top = U.sort(-1, descending=True).values[:, :K + 1]
+    crossing = top[:, K - 1] == top[:, K]
+    assert 0 < int(crossing.sum()) < n, f"{int(crossing.sum())} of {n} slots tie at the K-th place: widen the test"
+    got_C, want_C = fast_loss.top_k(U, K).indices, torch.topk(U, K).indices
+    assert torch.equal(U.gather(-1, got_C).sort(-1).values, U.gather(-1, want_C).sort(-1).values), \
+        "the candidates' logits are not the K largest"
+    assert (got_C.sort(-1).values.diff(dim=-1) > 0).all(), "a candidate picked twice"
+    cfg = dflash2.LossConfig(selector_labels="soft")
+    for i in (~crossing).nonzero()[:, 0].tolist():
+        one = (h[i:i + 1], g[i:i + 1], prev[i:i + 1], w[i:i + 1])
+        got, want = (fn(view, selector, cfg, *one) for fn in (fast_loss.slot_sums, dflash2.slot_sums))
+        for key, value in want.items():
+            assert abs(got[key].item() - value.item()) <= 1e-6 * (1 + abs(value.item())), \
+                f"slot {i}, no tie at the K-th place: {key} {got[key].item()} != the formula's {value.item()}"
