@@ -28,8 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 import dflash2
 from harness import checkpoint, data, fast_loss, memory, metrics, tiny_world
 # by name, not the module: in this file `target` is the model
-from harness.target import (DrafterFields, below_float32, feature_cache, load_checked_target, load_config,
-                            load_tokenizer, target_features, weights_fingerprint)
+from harness.target import DrafterFields, below_float32, feature_cache, load_checked_target, tokenizer_and_config
 
 # -----------------------------------------------------------------------------
 # settings nobody needs to turn (the optimizer's and the loss's are the write-up's, ALGORITHM.md §6)
@@ -127,8 +126,8 @@ def parse_args(argv=None):
                    "(0: only at the end, where spec_generate also decodes held-out prompts)")
     g.add_argument("--decode-prompts", type=at_least(0), default=4, help="held-out prompts spec_generate decodes at "
                    "the end of the run, at T = 0 and T = 1 (0: none)")
-    g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines (each syncs with the "
-                   "host for its metrics)")
+    g.add_argument("--log-every", type=at_least(1), default=20, help="steps between log lines (a logged step also "
+                   "computes the metrics of its batches)")
     g.add_argument("--resume", action="store_true", help="continue from --out-dir/resume.pt")
     return p.parse_args(argv)
 
@@ -141,13 +140,12 @@ def drafter_fields(args):
 # -----------------------------------------------------------------------------
 # the step: its inputs, its loss, its log line
 
-def step_inputs(target, tokens, layer_ids, max_anchors, seeds, features=None, rows=None):
+def step_inputs(target, tokens, max_anchors, seeds, features, rows=None):
     """The loss's dflash2.Batch of a micro-batch's tokens (input_ids, attention_mask, loss_mask): the target's
-    features, from one target pass (no grad, no lm_head) or the cache of its training rows `rows`, and each row's
-    anchors from its seed."""
+    features (feature_cache's: one target pass, no grad, no lm_head, or the cache of its training rows `rows`; None
+    where it keeps nothing), and each row's anchors from its seed."""
     ids, attn, loss_mask = tokens
-    f, g = (target_features(target, ids, attn, layer_ids) if features is None else
-            features.features(target, ids, attn, rows))
+    f, g = features.features(target, ids, attn, rows)
     return dflash2.Batch(ids, attn, loss_mask, f, g, *data.row_anchors(loss_mask, max_anchors, seeds))
 
 def loss_config(args, vocab_size):
@@ -161,7 +159,7 @@ def compiled_loss(device, log):
     """The §6 loss's sums as harness.fast_loss writes them (dflash2.slot_sums with a cheaper exact top-K), under
     torch.compile (dynamic shapes: one compile serves every slot count) where the device has a compiler (C++ for a
     CPU, Triton for a GPU) and TORCH_COMPILE_DISABLE is unset, else eager, with one line saying why: the same values
-    either way."""
+    either way. Compiled, p = exp(log p) is recomputed where it is read instead of stored (a slots × V tensor)."""
     from torch.utils._triton import has_triton
     compilers = {"cpu": None if any(map(shutil.which, ("g++", "c++", "clang++"))) else "no C++ compiler on PATH",
                  "cuda": None if has_triton() else "Triton is not installed"}
@@ -224,14 +222,16 @@ def lr_at(step, total, warmup, peak, floor):
     return peak * (floor + (1 - floor) * cosine)
 
 def make_optimizer(params, lr):
-    """AdamW as one fused kernel: the loop over tensors' update to rounding, in a seventh of its time (AMX Xeon)."""
+    """AdamW as one fused kernel: the loop over tensors' update to rounding, in one pass."""
     return torch.optim.AdamW(params, lr=lr, weight_decay=WEIGHT_DECAY, fused=True)
 
 # -----------------------------------------------------------------------------
 # setup
 
 def start_ranks():
-    """One process per device; torchrun sets RANK / WORLD_SIZE / LOCAL_RANK. -> (world, rank, device, log)."""
+    """The process: torch's CPU allocator asked for huge pages before the first large tensor (harness.memory); one
+    process per device, torchrun setting RANK / WORLD_SIZE / LOCAL_RANK. -> (world, rank, device, log)."""
+    memory.use_huge_pages()
     world = int(os.environ.get("WORLD_SIZE", 1))
     rank, local_rank = int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -251,35 +251,31 @@ def start_ranks():
 
 def train(args):
     """The run of args -> {val, al_t0, al_t1, step, losses, out_dir, target}."""
-    memory.use_huge_pages()
     world, rank, device, log = start_ranks()
-    master, resume_file = rank == 0, checkpoint.check_out_dir(args.out_dir, args.resume)
+    run = checkpoint.TrainingRun(args.out_dir, args.resume, master=rank == 0)
     # the target's tokenizer and config, the memory plan (a GPU), the rows and the drafter: every shape or data
     # problem surfaces before the (possibly many-GB) target weights load
     target_path, data_path = tiny_world.offline_world(args.target, args.data, world, rank, log)
-    tokenizer, target_config = load_tokenizer(target_path, args.chat_template), load_config(target_path)
+    tokenizer, target_config = tokenizer_and_config(target_path, args.chat_template)
     fields = drafter_fields(args)
     recompute = device.type == "cuda" and memory.fitting_plan(
         target_config, args.seq_len, args.max_anchors, args.batch_size, fields,
         torch.cuda.get_device_properties(device).total_memory / 2**30, log)
-    rows = data.load_rows(data_path, DATA_SPLIT, tokenizer, args.seq_len, log=log,
-                          template_kwargs=data.parse_template_kwargs(args.chat_template_kwargs))
+    train_rows, val = data.training_rows(data_path, DATA_SPLIT, tokenizer, args.seq_len, args.val_size,
+                                         args.chat_template_kwargs, log)
     torch.manual_seed(args.seed)
-    drafter = checkpoint.build_drafter(target_config, tokenizer, fields, rows, args.init_from, log)
+    drafter = checkpoint.build_drafter(target_config, tokenizer, fields, (train_rows, val), args.init_from, log)
     c = drafter.config  # decided: every later step reads the drafter's shape, its mask token and layers from here
-    train_rows, val = data.split_rows(rows, args.val_size, data_path)
     total, global_batch = args.steps, args.batch_size * args.grad_accum * world
     warmup = max(1, round(WARMUP * total))
-    run = checkpoint.run_identity(target_config, c, train_rows, args.seq_len, {
-        "steps": total, "warmup": warmup, "lr": args.lr, "lr_floor": LR_FLOOR, "global_batch": global_batch,
-        "world": world, "seed": args.seed})
-    state = checkpoint.check_resume(resume_file, run) if args.resume else None
+    run.check(target_config, c, train_rows, args.seq_len, {"steps": total, "warmup": warmup, "lr": args.lr,
+              "lr_floor": LR_FLOOR, "global_batch": global_batch, "world": world, "seed": args.seed})
+    # the target, the optimizer and where the run starts
     target = load_checked_target(target_path, args.dtype, c, train_rows[0]["input_ids"], device, log)
-    meta = {"run": run, "target_weights": weights_fingerprint(target)}
     drafter.to(device).grad_checkpoint = recompute
     params = list(drafter.parameters())
     optimizer = make_optimizer(params, args.lr)
-    step = checkpoint.resume(state, meta, drafter, optimizer, args.out_dir, master) if state is not None else 0
+    step = run.start(drafter, optimizer, target)
     # data parallel: DDP starts every replica from rank 0's weights and averages each gradient during the backward;
     # the forward must go through it: one that does not leaves the gradients unreduced and the replicas drift apart
     ddp = DistributedDataParallel(LossSums(drafter)) if world > 1 else None
@@ -300,7 +296,7 @@ def train(args):
         micro_stats, logged = [], (step + 1) % args.log_every == 0 or step + 1 == total  # metrics: host syncs
         for micro in range(args.grad_accum):
             tokens, row_ids, seeds = micro_batch(step, micro)
-            batch = step_inputs(target, tokens, c.target_layer_ids, args.max_anchors, seeds, features, row_ids)
+            batch = step_inputs(target, tokens, args.max_anchors, seeds, features, row_ids)
             last = micro + 1 == args.grad_accum  # DDP reduces once a step: the accumulated gradient, in this backward
             with ddp.no_sync() if ddp is not None and not last else contextlib.nullcontext():
                 loss, terms, slots = loss_step(drafter, view, target, batch, loss_cfg, sums_fn, ddp)
@@ -322,18 +318,14 @@ def train(args):
             s, now = metrics.mean_stats(micro_stats), time.time()
             tok_s, eta = n_tokens / (now - t_log), (now - t_start) / (step - start_step) * (total - step)
             log(step_line(step, total, losses[step], s, lr, tok_s, eta))
-            if master:
-                checkpoint.record(args.out_dir, {"kind": "train", "step": step, **s, "loss": losses[step], "lr": lr,
-                                                 "tokens_per_second": tok_s})
+            run.record({"kind": "train", "step": step, **s, "loss": losses[step], "lr": lr, "tokens_per_second": tok_s})
             t_log, n_tokens = now, 0
-        if master and ((args.eval_every and step % args.eval_every == 0) or step == total):
-            checkpoint.save_checkpoint(drafter, optimizer, step, args.out_dir, export, meta)
+        if run.master and ((args.eval_every and step % args.eval_every == 0) or step == total):
+            run.save(drafter, optimizer, step, export)
             log(f"saved {args.out_dir}/checkpoint and resume.pt at step {step}")
             summary = metrics.evaluate(drafter, target, tokenizer, val, loss_cfg, args.batch_size, args.max_anchors,
                                        args.seed, log, args.decode_prompts if step == total else 0, EVAL_NEW_TOKENS)
-            checkpoint.record(args.out_dir, {"kind": "eval", "step": step, **summary["val"],
-                                             **{k: v for k, v in summary.items() if k != "val"}})
-            checkpoint.plot_curves(args.out_dir)
+            run.record_eval(step, summary)
 
     if world > 1:
         dist.destroy_process_group()

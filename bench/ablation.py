@@ -171,12 +171,13 @@ def val_metrics(drafter, target, val, targs, pad_id, min_blocks, accept_at=(1.0,
     metrics at the sampling setting accept_at (T = 1, no filter, unless given)."""
     import train
     from harness.data import collate
-    total, n_blocks, rounds = {}, 0, 0
+    from harness.target import uncached_features
+    total, n_blocks, rounds, features = {}, 0, 0, uncached_features(drafter.config.target_layer_ids)
     while n_blocks < min_blocks:
         for i in range(0, len(val), targs.batch_size):
             batch = collate(val[i:i + targs.batch_size], pad_id, torch.device("cpu"))
             seeds = [rounds * len(val) + j for j in range(i, i + len(batch[0]))]
-            inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, targs.max_anchors, seeds)
+            inputs = train.step_inputs(target, batch, targs.max_anchors, seeds, features)
             n = int(inputs.anchor_valid.sum())  # the blocks the loss draws
             cfg = train.loss_config(targs, drafter.config.vocab_size)
             view = dflash2.target_view(drafter.config, target)

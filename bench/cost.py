@@ -226,7 +226,7 @@ def train_part(device, repeats, quick):
     interleaved; each step's floor is its product FLOPs at this machine's product rate, timed in the same
     rounds."""
     import train
-    from harness.target import TargetFeatures, native_bf16_cpu
+    from harness.target import TargetFeatures, native_bf16_cpu, uncached_features
     shape = dict(SMOLLM2_135M, layers=4, hidden=64, heads=2, kv_heads=1, intermediate=128, vocab=4096) if quick \
         else SMOLLM2_135M
     batch_size, seq_len, anchors = (2, 64, 8) if quick else (8, 384, 32)
@@ -250,15 +250,15 @@ def train_part(device, repeats, quick):
         optimizer = train.make_optimizer(drafter.parameters(), lr=1e-6)
         cfg, view = dflash2.LossConfig(chunk_size=train_loss_chunk(c.vocab_size)), dflash2.target_view(c, target)
         sums_fn = train.compiled_loss(device, print) if compiled else dflash2.slot_sums
-        features = None
+        features = uncached_features(c.target_layer_ids)
         if mode == "cached":
             key = {"target_weights": [0.0], "target_layer_ids": c.target_layer_ids, "dtype": dtype}
             features = TargetFeatures(key, c.target_layer_ids)
             features.features(target, ids, ones, rows)  # filled once, as a run's first epoch does
-        inputs = train.step_inputs(target, batch, c.target_layer_ids, anchors, seeds, features, rows)
+        inputs = train.step_inputs(target, batch, anchors, seeds, features, rows)
 
         def target_part(target=target, features=features):
-            return train.step_inputs(target, batch, c.target_layer_ids, anchors, seeds, features, rows)
+            return train.step_inputs(target, batch, anchors, seeds, features, rows)
 
         def loss_part(drafter=drafter, view=view, target=target, cfg=cfg, inputs=inputs, sums_fn=sums_fn):
             drafter.zero_grad(set_to_none=True)

@@ -71,7 +71,7 @@ def our_step(target, c, features, batch, rows, seeds, max_anchors):
     cfg, view = train.loss_config(train.parse_args([]), c.vocab_size), dflash2.target_view(c, target)
 
     def step(sums_fn):
-        inputs = train.step_inputs(target, batch, c.target_layer_ids, max_anchors, seeds, features, rows)
+        inputs = train.step_inputs(target, batch, max_anchors, seeds, features, rows)
         train.loss_step(drafter, view, target, inputs, cfg, sums_fn)[0].backward()
         torch.nn.utils.clip_grad_norm_(params, train.GRAD_CLIP)
         optimizer.step()

@@ -3,8 +3,8 @@ A run's drafter and what a run writes: the drafter a run trains (build_drafter: 
 target's family, or warm-started from an export); the export that vLLM, SGLang and the z-lab
 `dflash` package load (§7: config.json + model.safetensors, written by save_export and read by
 load_export, config.json in the z-lab layout or in vllm-project speculators'), and for train.py
-the resume state, the identity a resumed run must share with the run it continues, and the
-run's record (metrics.jsonl, curves.png). Everything is written under a temporary name and
+its run's folder (TrainingRun): the resume state, the identity a resumed run must share with the
+run it continues, and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary name and
 renamed into place. Not here: what the drafter computes (dflash2.py), its shape on a target
 and its mask token (harness/target.py), the metrics the record holds (harness/metrics.py).
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import dflash2
 from harness.target import (add_drafter_flags, drafter_config, drafter_fields, is_gguf, known_fields, load_config,
-                            load_tokenizer, mask_token, rope_tables)
+                            load_tokenizer, mask_token, rope_tables, weights_fingerprint)
 
 # -----------------------------------------------------------------------------
 # the export (§7)
@@ -398,8 +398,8 @@ def build_drafter(target_config, tokenizer, fields, rows=None, init_from=None, l
     """The drafter of DFlash2Config `fields` on this target (its width, RoPE and tables' transforms from the
     target's config), or with init_from the export there, whose architecture wins (a DFlash (v1) one gains the
     fields' convolution and selector at identity), checked against the target's shape before its weights load. The
-    mask token, unless the fields name one, is the target's tokenizer's that the `rows` (a Dataset of input_ids)
-    never hold. Seed torch first: the new drafter's init draws from its generator."""
+    mask token, unless the fields name one, is the target's tokenizer's that the `rows` (a Dataset of input_ids, or
+    a tuple of them) never hold. Seed torch first: the new drafter's init draws from its generator."""
     text = target_config.get_text_config()  # a multimodal wrapper's language model
     if init_from:
         drafter = load_export(init_from, num_target_layers=text.num_hidden_layers)
@@ -516,6 +516,47 @@ def plot_curves(out_dir):
     fig.tight_layout()
     fig.savefig(Path(out_dir) / "curves.png", dpi=80)
     plt.close(fig)
+
+
+class TrainingRun:
+    """A training run's folder (--out-dir) from train.py's side: checked before any work; the run's identity, and
+    resuming, the resume state it must match (check, then start); its record and its checkpoints (master: rank 0,
+    the one that writes)."""
+
+    def __init__(self, out_dir, resuming, master):
+        self.out_dir, self.resuming, self.master = out_dir, resuming, master
+        self.resume_file = check_out_dir(out_dir, resuming)
+        self.state, self.meta = None, {}
+
+    def check(self, target_config, c, train_rows, seq_len, schedule):
+        """The run's identity (run_identity); resuming, resume.pt loaded and refused if it belongs to another run:
+        before the target's weights load."""
+        self.meta["run"] = run_identity(target_config, c, train_rows, seq_len, schedule)
+        if self.resuming:
+            self.state = check_resume(self.resume_file, self.meta["run"])
+
+    def start(self, drafter, optimizer, target):
+        """-> the first step: 0, or resuming, the checkpoint's (weights, optimizer and record back; the target's
+        weights must be the run's)."""
+        self.meta["target_weights"] = weights_fingerprint(target)
+        if self.state is None:
+            return 0
+        return resume(self.state, self.meta, drafter, optimizer, self.out_dir, self.master)
+
+    def record(self, entry):
+        if self.master:
+            record(self.out_dir, entry)
+
+    def save(self, drafter, optimizer, step, export):
+        """The checkpoint (save_checkpoint), rank 0 only."""
+        if self.master:
+            save_checkpoint(drafter, optimizer, step, self.out_dir, export, self.meta)
+
+    def record_eval(self, step, summary):
+        """An evaluation's line in the record, and curves.png drawn again."""
+        self.record({"kind": "eval", "step": step, **summary["val"], **{k: v for k, v in summary.items() if k != "val"}})
+        if self.master:
+            plot_curves(self.out_dir)
 
 
 def save_checkpoint(drafter, optimizer, step, out_dir, export, meta):

@@ -659,6 +659,14 @@ def collate(cols, pad_id, device):
 # the training data's order: validation rows, batches, anchor seeds
 
 
+def training_rows(data, split, tokenizer, seq_len, val_size, template_kwargs_json="{}", log=print):
+    """A run's rows: --data's conversations through the chat template (--chat-template-kwargs JSON), cut to
+    seq_len tokens (load_rows), then split (split_rows). -> (training rows, validation rows)."""
+    rows = load_rows(data, split, tokenizer, seq_len, template_kwargs=parse_template_kwargs(template_kwargs_json),
+                     log=log)
+    return split_rows(rows, val_size, data)
+
+
 def split_rows(dataset, val_size, data):
     """-> (training rows, validation rows): the last val_size rows of --data validate."""
     if len(dataset) <= val_size:

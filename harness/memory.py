@@ -1,6 +1,7 @@
 """
-The memory plan of DFlash2 training on one GPU, read off the target's config before any
-weight is loaded:
+The memory of DFlash2 training: its plan on one GPU, read off the target's config before any
+weight is loaded, and on a CPU the allocator's page size (use_huge_pages, which train.py's
+start_ranks and the benches call before their first large tensor):
 
     python -m harness.memory --target Qwen/Qwen3-4B --seq-len 3072 --max-anchors 512 --block-size 16 --batch-size 2
 

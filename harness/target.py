@@ -63,6 +63,11 @@ def load_tokenizer(target_path, chat_template=None):
     return tokenizer
 
 
+def tokenizer_and_config(target_path, chat_template=None):
+    """What a run reads of the target before its weights: its tokenizer (and --chat-template) and its config."""
+    return load_tokenizer(target_path, chat_template), load_config(target_path)
+
+
 def load_config(target_path):
     """The target's transformers config; a GGUF file's is read from its header, no weights."""
     path, kw = source(target_path)
@@ -316,9 +321,8 @@ def rope_tables(c):
 
 def lm_head_rows(lm_head, x):
     """lm_head(x) for a draft block's few rows: on a CPU 512 vocabulary rows of the weight at a time, which MKL
-    multiplies about 2× faster than the whole weight (7 × 576 × 49,152 in fp32: 31.8 ms against 14.2; 15 × 2560 ×
-    151,936: 369 against 167, on a 2-core AMD EPYC), the same values to rounding; one product elsewhere, or for a
-    head that is not a plain nn.Linear."""
+    multiplies faster than the whole weight (bench/RESULTS.md's records: `lm_head` of a draft block), the same values
+    to rounding; one product elsewhere, or for a head that is not a plain nn.Linear."""
     if x.device.type != "cpu" or type(lm_head) is not torch.nn.Linear:
         return lm_head(x)
     w = lm_head.weight.split(512)
@@ -412,13 +416,14 @@ def choose_mask_token(tokenizer, num_rows, used_ids=None):
 
 @torch.no_grad()
 def mask_token(tokenizer, num_rows, rows, log=print):
-    """choose_mask_token, avoiding every id the training rows hold (rows: a Dataset of input_ids, marked in one
-    pass; None: not read), logged with how it was chosen."""
+    """choose_mask_token, avoiding every id the rows hold (rows: a Dataset of input_ids or a tuple of them, marked
+    in one pass; None: not read), logged with how it was chosen."""
     used = None
     if rows is not None:
         seen = torch.zeros(max(num_rows, len(tokenizer)), dtype=torch.bool)
-        for ids in rows["input_ids"]:
-            seen[ids] = True
+        for part in rows if isinstance(rows, tuple) else (rows,):
+            for ids in part["input_ids"]:
+                seen[ids] = True
         used = seen.nonzero()[:, 0].tolist()
     mask_id, why = choose_mask_token(tokenizer, num_rows, used)
     log(f"mask token {mask_id}: {why}")
@@ -459,8 +464,8 @@ class TargetFeatures:
     the layer ids, the dtype) is checked against the folder's, and each row's tokens against
     those its features were computed for; a mismatch is refused, never reused."""
 
-    def __init__(self, key, layer_ids, folder=None):
-        self.layer_ids, self.folder, self.rows = list(layer_ids), folder, {}
+    def __init__(self, key, layer_ids, folder=None, keep=True):
+        self.layer_ids, self.folder, self.rows, self.keep = list(layer_ids), folder, {}, keep
         if folder is None:
             return
         os.makedirs(folder, exist_ok=True)
@@ -509,7 +514,10 @@ class TargetFeatures:
     def features(self, target, ids, attention_mask, rows):
         """target_features of a right-padded batch (ids, attention_mask (b, S)) whose rows are the
         training rows `rows`: -> context (b, S, nf·H), last_hidden (b, S, H), zero past each row's
-        length (masked there). One target pass over the batch if any of its rows is not cached yet."""
+        length (masked there). One target pass over the batch if any of its rows is not cached yet (every batch,
+        keep=False)."""
+        if not self.keep:
+            return target_features(target, ids, attention_mask, self.layer_ids)
         lengths = attention_mask.sum(1).tolist()
         held = [self._get(r, ids[i, :n]) for i, (r, n) in enumerate(zip(rows, lengths))]
         if any(h is None for h in held):
@@ -526,8 +534,13 @@ class TargetFeatures:
         return features[..., :-H], features[..., -H:]
 
 
+def uncached_features(layer_ids):
+    """The features of each batch from one target pass, kept nowhere (--cache-target-features off)."""
+    return TargetFeatures(None, layer_ids, keep=False)
+
+
 def feature_cache(choice, target, c, train_rows, rows_drawn, out_dir, log=print):
-    """--cache-target-features -> a TargetFeatures, or None (off), its size logged. auto: off when no row is
+    """--cache-target-features -> a TargetFeatures (off: one that keeps nothing), its size logged. auto: off when no row is
     drawn twice (rows_drawn: the run's global batches × steps), in memory when the features fit in half the free
     memory, else on disk in OUT/target_features; disk:FOLDER puts them there (runs on one target can share it)."""
     size = sum(TargetFeatures.row_bytes(len(ids), len(c.target_layer_ids), c.hidden_size, target.dtype)
@@ -542,7 +555,7 @@ def feature_cache(choice, target, c, train_rows, rows_drawn, out_dir, log=print)
                f"{'within' if choice == 'memory' else 'over'} half of the {free / 2**30:.1f} GiB free")
     if choice == "off":
         log(f"target features: computed every step ({why}; a cache would take {size / 2**30:.2f} GiB)")
-        return None
+        return uncached_features(c.target_layer_ids)
     folder = None if choice == "memory" else folder
     key = {"target_weights": weights_fingerprint(target), "target_layer_ids": c.target_layer_ids,
            "dtype": str(target.dtype).removeprefix("torch.")}

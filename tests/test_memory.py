@@ -399,18 +399,19 @@ def test_use_huge_pages_makes_a_large_tensors_first_touch_fault_in_2_mib_pages()
 
 
 def test_train_asks_for_huge_pages_before_it_allocates(monkeypatch):
-    """train() calls use_huge_pages before anything else: torch reads the setting at its first large tensor."""
+    """train() asks for huge pages first (start_ranks' first line), before the run's folder or anything else: torch
+    reads the setting at its first large tensor."""
     calls = []
 
     class Started(Exception):
         pass
 
-    def start_ranks():
-        calls.append("ranks")
+    def training_run(*args, **kwargs):
+        calls.append("run folder")
         raise Started
 
     monkeypatch.setattr(train.memory, "use_huge_pages", lambda: calls.append("huge pages"))
-    monkeypatch.setattr(train, "start_ranks", start_ranks)
+    monkeypatch.setattr(train.checkpoint, "TrainingRun", training_run)
     with pytest.raises(Started):
         train.train(train.parse_args([]))
-    assert calls == ["huge pages", "ranks"], f"train() ran {calls}"
+    assert calls == ["huge pages", "run folder"], f"train() ran {calls}"

@@ -539,8 +539,7 @@ def feature_run(model, choice, layer_ids, rows, out_dir, rows_drawn=None, log=pr
     c = target.drafter_config(model.config, mask_token_id=49, target_layer_ids=layer_ids)
     cache = target.feature_cache(choice, model, c, rows, 2 * len(rows) if rows_drawn is None else rows_drawn,
                                  str(out_dir), log)
-    if cache is not None:
-        cache.features(model, *right_padded(rows["input_ids"]), rows=list(range(len(rows))))
+    cache.features(model, *right_padded(rows["input_ids"]), rows=list(range(len(rows))))
     return cache
 
 
@@ -573,7 +572,8 @@ def test_auto_caches_the_features_only_when_a_row_is_drawn_twice(bf16_numbers_ta
     for drawn, cached in ((n - 1, False), (n, False), (n + 1, True)):
         logs = []
         cache = feature_run(model, "auto", [0, 1], FEATURE_ROWS, tmp_path, drawn, logs.append)
-        assert (cache is not None) == cached, f"{drawn} rows drawn of {n}: cached {cache is not None}, {logs}"
+        assert cache.keep == cached and len(cache.rows) == (n if cached else 0), \
+            f"{drawn} rows drawn of {n}: cached {cache.keep}, {len(cache.rows)} rows held, {logs}"
         assert logs[-1].startswith("target features: computed every step (no row is used twice" if not cached else
                                    "target features: cached in memory"), f"{drawn} rows drawn of {n}: {logs}"
 

@@ -568,7 +568,8 @@ def step_inputs(world, rows=3):
 def step(drafter, target, batch, args, sums_fn=dflash2.slot_sums, **kw):
     """train.py's step on batch: its loss and gradients. sums_fn: the loss formula, or train.compiled_loss's."""
     drafter.zero_grad(set_to_none=True)
-    inputs = train.step_inputs(target, batch, drafter.config.target_layer_ids, args.max_anchors, [1, 2, 3], **kw)
+    kw = kw or {"features": target_module.uncached_features(drafter.config.target_layer_ids)}
+    inputs = train.step_inputs(target, batch, args.max_anchors, [1, 2, 3], **kw)
     view = dflash2.target_view(drafter.config, target)
     cfg = train.loss_config(args, drafter.config.vocab_size)
     loss, _, _ = train.loss_step(drafter, view, target, inputs, cfg, sums_fn)
@@ -615,7 +616,7 @@ def test_the_step_stats_read_the_acceptance_metrics_at_the_setting_asked(world):
     q = softmax(U/T) of the drafter's, averaged over the counted slots; not the T = 1 default's, another number."""
     args, batch, target, drafter = step_inputs(world)
     c = drafter.config
-    inputs = train.step_inputs(target, batch, c.target_layer_ids, args.max_anchors, [1, 2, 3])
+    inputs = train.step_inputs(target, batch, args.max_anchors, [1, 2, 3], target_module.uncached_features(c.target_layer_ids))
     view, cfg = dflash2.target_view(c, target), train.loss_config(args, c.vocab_size)
     with torch.no_grad():
         _, terms, slots = train.loss_step(drafter, view, target, inputs, cfg)
