@@ -2,8 +2,9 @@
 weights, the draft step's weight floor against a brute-force count of the parameter elements
 it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
 --quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`; the real
-world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals
-and its report of recorded rounds (the peer package is never imported)."""
+world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals,
+its report of recorded rounds, and what its timed cases run and count, on stand-ins (the peer package is never
+imported)."""
 import dataclasses
 import itertools
 import json
@@ -1035,6 +1036,70 @@ def test_peer_step_reports_the_median_per_round_ratio_of_recorded_seconds():
                 f"| float32 | ours, DFlash | 2.00 | {common.ci_text(ratio, lo, hi)} |",
                 "| float32 | speculators | 4.00 | - |"):
         assert row in table, f"{row!r} is not in the report:\n{table}"
+
+
+def stand_in_peer_measure(monkeypatch):
+    """bench.peer_step.measure --quick, float32 and bf16, on stand-ins: a speculators module that is only a name, our
+    step and the peer's step record which case they were built for when they run, and each timed closure runs once
+    instead of timed rounds. -> (measure's results, {timed case: the steps its closure ran, each as (the case it was
+    built for, whether it got what that case's closure holds: ours its own compiled loss, the peer's nothing)},
+    {our case: its DFlash2Config})."""
+    import harness.target
+    import importlib.metadata
+    version, ran, timed, configs = importlib.metadata.version, [], {}, {}
+    monkeypatch.setitem(sys.modules, "speculators", SimpleNamespace())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.0" if name == "speculators" else version(name))
+    monkeypatch.setattr(harness.target, "native_bf16_cpu", lambda: True)
+
+    def our_step(target, c, *rest):
+        case = (str(target.dtype).removeprefix("torch."), "ours" if c.selector_top_k else "ours, DFlash")
+        configs[case], compiled = c, lambda *a: None
+        return lambda sums_fn: ran.append((case, sums_fn is compiled)), compiled, 1
+
+    def their_step(model, context, last, ids, max_anchors, gamma, dtype):
+        case = (str(dtype).removeprefix("torch."), "speculators")
+        return lambda *args: ran.append((case, not args)), 1
+
+    def round_seconds(fns, rounds, warmup=1):
+        for case, fn in fns.items():
+            ran.clear()
+            fn()
+            timed[case] = list(ran)
+        return {case: [1.0] * rounds for case in fns}
+
+    monkeypatch.setattr(peer_step, "our_step", our_step)
+    monkeypatch.setattr(peer_step, "peer_drafter", lambda c, target: None)
+    monkeypatch.setattr(peer_step, "peer_step", their_step)
+    monkeypatch.setattr(peer_step, "round_seconds", round_seconds)
+    return peer_step.measure(quick=True, rounds=1), timed, configs
+
+
+def test_peer_step_times_each_case_with_the_step_built_for_it(monkeypatch):
+    """Each timed case of bench.peer_step (ours, ours DFlash, speculators, in float32 and in bf16) runs the step built
+    for that case, ours with the compiled loss built beside it, once, and no other step."""
+    results, timed, _ = stand_in_peer_measure(monkeypatch)
+    want = {(dtype, name): [((dtype, name), True)] for dtype in ("float32", "bfloat16") for name in peer_step.STEPS}
+    assert timed == want, f"the steps each timed case ran {timed}, want {want}"
+    assert {(d, n) for d, steps in results["steps"].items() for n in steps} == set(want), results["steps"]
+
+
+def test_peer_steps_attention_flops_are_the_dense_products_forward_and_backward(monkeypatch):
+    """The dense attention column of bench.peer_step, counted by hand: each draft layer and head multiplies
+    (q, hd)·(hd, k) for QKᵀ and (q, k)·(k, hd) for PV forward, and backward four more of that size (dP = dO·Vᵀ,
+    dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q), 2·q·k·hd FLOPs each. Ours: each of the batch's rows, its anchors' blocks
+    (q = anchors·B) against its context and every block (k = S + anchors·B); speculators: the batch packed into one
+    row."""
+    results, _, configs = stand_in_peer_measure(monkeypatch)
+    s = results["shape"]
+    for dtype, steps in results["steps"].items():
+        c = configs[(dtype, "ours")]
+        products = lambda rows, q, k: rows * s["num_layers"] * c.num_heads * 6 * 2 * q * k * c.head_dim
+        q, k = s["max_anchors"] * s["block_size"], s["seq_len"] + s["max_anchors"] * s["block_size"]
+        want = {"ours": products(s["batch_size"], q, k), "ours, DFlash": products(s["batch_size"], q, k),
+                "speculators": products(1, s["batch_size"] * q, s["batch_size"] * k)}
+        got = {name: steps[name]["attention_flops"] for name in want}
+        assert got == want, f"{dtype}: attention FLOPs {got}, want {want} (ratio " \
+            f"{[got[n] / want[n] for n in want]})"
 
 
 # -----------------------------------------------------------------------------
