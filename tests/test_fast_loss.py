@@ -47,12 +47,28 @@ def test_top_k_finds_the_largest_values_of_a_sorted_row(kind, dtype):
         assert not distinct or torch.equal(got.indices, want_idx), f"{where}: indices differ from the sort's"
 
 
-@pytest.mark.parametrize("V, k", [(1000, 4), (2 * GROUP, 2)], ids=["V not a multiple of GROUP", "k groups >= V"])
+@pytest.mark.parametrize("V, k", [(1000, 4), (2 * GROUP, 2), (16 * GROUP, 32)],
+                         ids=["V not a multiple of GROUP", "k groups >= V", "more candidates than groups"])
 def test_top_k_is_torch_topk_where_groups_do_not_pay(V, k):
-    """A vocabulary GROUP does not divide, or k groups covering it, take torch.topk itself."""
+    """A vocabulary GROUP does not divide, or k groups covering it, take torch.topk itself; so does a K larger than
+    the V / GROUP groups (K = 32 at V = 2048), where a top-K of the group maxima has too few to pick from."""
     x = torch.randn(4, V, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     got, want = fast_loss.top_k(x, k), torch.topk(x, k)
     assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices), f"V={V} k={k}"
+
+
+@pytest.mark.parametrize("shape, dim", [((4 * GROUP, 3, 4 * GROUP), 0), ((4 * GROUP, 3, 4 * GROUP), -3),
+                                         ((4 * GROUP, 3, 4 * GROUP), 1), ((3, 4 * GROUP), 0)],
+                         ids=["dim 0", "dim -3", "dim 1 of length 3", "dim 0 of length 3"])
+def test_top_k_along_another_dimension_is_torch_topks(shape, dim):
+    """A dim other than the last selects along that dim, as torch.topk does: values and indices both, the same
+    shape, whatever the last dimension's length (V = 4 groups there, or that of the dim asked)."""
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    got, want = fast_loss.top_k(x, 2, dim), torch.topk(x, 2, dim)
+    assert got.values.shape == want.values.shape, f"dim={dim}: shape {tuple(got.values.shape)}, torch.topk's " \
+        f"{tuple(want.values.shape)}"
+    assert torch.equal(got.values, want.values) and torch.equal(got.indices, want.indices), \
+        f"dim={dim}: values off torch.topk's by {(got.values - want.values).abs().max():.3g}"
 
 
 def selector_inputs(generator, n=12, H=32, V=32 * GROUP, dtype=torch.float64):

@@ -90,6 +90,29 @@ def test_smoke_run_logs_records_and_exports_a_loadable_checkpoint(reference_run)
     assert (out / "curves.png").stat().st_size > 1000, "curves.png was not written"
 
 
+def test_held_out_prompts_are_decoded_at_the_end_of_the_run_only(reference_run):
+    """--decode-prompts 1 with evaluations at steps 2 and 4 (of 4): only the last evaluation decodes, so only step
+    4's eval record holds acceptance lengths, and the log prints one table of them, after the step-4 checkpoint."""
+    decoded = {r["step"]: [k for k in ("al_t0", "al_t1") if k in r] for r in records(reference_run["out"], "eval")}
+    assert decoded == {2: [], 4: ["al_t0", "al_t1"]}, f"acceptance lengths in the eval records by step: {decoded}, " \
+        "want step 4's only"
+    printed, table = reference_run["printed"], "temperature   mean AL"
+    assert printed.count(table) == 1 and printed.index(table) > printed.index("resume.pt at step 4"), \
+        f"{printed.count(table)} decoding tables in the log, want one after the step-4 checkpoint:\n{printed}"
+
+
+def test_a_run_logs_every_log_every_steps_and_at_its_last(world, tmp_path):
+    """--log-every 2 over 5 steps: a log line and a train record after steps 2 and 4, and after step 5, the run's
+    last; none after steps 1 and 3."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        train.train(args_for(world, tmp_path / "out", "--steps", "5", "--log-every", "2"))
+    want = [2, 4, 5]
+    lines = [int(m[1]) for m in re.finditer(r"^step +(\d+)/5 \| loss ", printed.getvalue(), re.M)]
+    recorded = [r["step"] for r in records(tmp_path / "out", "train")]
+    assert lines == want and recorded == want, f"log lines at steps {lines}, train records at {recorded}, want {want}"
+
+
 @pytest.mark.parametrize("generation_tag", [True, False])
 @pytest.mark.parametrize("shape", ["messages", "conversations"])
 def test_loss_mask_is_the_assistant_text(tmp_path, generation_tag, shape):
