@@ -1103,6 +1103,112 @@ def test_peer_steps_attention_flops_are_the_dense_products_forward_and_backward(
 
 
 # -----------------------------------------------------------------------------
+# bench.train_steps: its arithmetic, its rounds, its refusals, and a timed run of a fake checkout
+
+from bench import train_steps  # here, not above: the bench.train_steps tests are one block
+
+
+def test_train_steps_seconds_per_step_is_the_clock_from_step_first_minus_1_to_step_last():
+    times = [10.0, 10.5, 12.0, 13.0, 16.0]  # t[1] ... t[5], the clock after each step's update
+    for first, last, want in ((3, 5, (16.0 - 10.5) / 3), (2, 2, 0.5), (5, 5, 3.0), (2, 5, 6.0 / 4)):
+        got = train_steps.seconds_per_step(times, first, last)
+        assert got == pytest.approx(want), f"steps {first}-{last}: {got} s per step, want {want}"
+
+
+def test_train_steps_alternates_which_side_runs_first_and_reports_against_over_this(tmp_path, monkeypatch):
+    """Three rounds of recorded runs: this, against / against, this / this, against, each given train.py's flags;
+    each side's seconds per step from its clock, against / this by round (3, 2, 1), their median 2 inside its
+    bootstrap interval, and the table's rows."""
+    seconds = {"this": [1.0, 2.0, 4.0], "against": [3.0, 4.0, 4.0]}
+    runs = []
+
+    def recorded(checkout, flags, last):
+        side = "this" if checkout == train_steps.ROOT else "against"
+        runs.append((side, flags))
+        s = seconds[side][sum(r[0] == side for r in runs) - 1]
+        return [100.0 + s * i for i in range(1, last + 1)]
+    monkeypatch.setattr(train_steps, "export", lambda commit, folder: None)
+    monkeypatch.setattr(train_steps, "step_times", recorded)
+    r = train_steps.main(train_steps.parse_args(["--against", "HEAD", "--rounds", "3", "--first", "2", "--last", "3",
+                                                 "--out", str(tmp_path), "--", "--batch-size", "2"]))
+    order = [side for side, _ in runs]
+    assert order == ["this", "against", "against", "this", "this", "against"], f"runs in the order {order}"
+    assert all(flags == ["--batch-size", "2"] for _, flags in runs), f"train.py's flags were {runs}"
+    for side, want in seconds.items():
+        assert r["sides"][side]["seconds"] == pytest.approx(want), f"{side}: {r['sides'][side]['seconds']}, {want}"
+    assert r["ratios"] == pytest.approx([3.0, 2.0, 1.0]) and r["median_ratio"] == pytest.approx(2.0), r
+    lo, hi = r["interval"]
+    assert 1.0 <= lo <= 2.0 <= hi <= 3.0, f"interval [{lo}, {hi}] around the median ratio 2"
+    head = r["sides"]["this"]["commit"]
+    assert r["sides"]["against"]["commit"] == head and not r["sides"]["against"]["dirty"], r["sides"]
+    table = (tmp_path / "train_steps.md").read_text()
+    for row in (f"| against | {head[:7]} | 3.000 | 4.000 | 4.000 | 4.000 |",
+                f"| against / this | | 3.00 | 2.00 | 1.00 | {common.ci_text(2.0, lo, hi)} |"):
+        assert row in table, f"{row!r} is not in the report:\n{table}"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--rounds", "0"], "--rounds 0: expected an integer >= 1"),
+    (["--first", "6", "--last", "5"], "--first 6 --last 5: expected 2 <= first <= last"),
+    (["--first", "1"], "--first 1 --last 8: expected 2 <= first <= last"),
+    (["--against", "no-such-commit"], "--against no-such-commit: not a commit of the repository")])
+def test_train_steps_bad_flags_fail_before_any_work(tmp_path, monkeypatch, flags, message):
+    monkeypatch.setattr(train_steps, "export", lambda *a: pytest.fail("a commit was exported"))
+    monkeypatch.setattr(train_steps, "step_times", lambda *a: pytest.fail("train.py was run"))
+    out = tmp_path / "out"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        train_steps.main(train_steps.parse_args(["--against", "HEAD", *flags, "--out", str(out)]))
+    assert not out.exists(), "the out dir was created by a run that failed before any work"
+
+
+FAKE_TRAIN = '''
+import argparse, json, os, sys
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+def parse_args(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--out-dir", default="out")
+    return p.parse_args(argv)
+
+def make_optimizer(params, lr):
+    return torch.optim.SGD(params, lr=lr)
+
+def train(args):
+    with open(os.path.join(HERE, "run.json"), "w") as f:
+        json.dump({"args": vars(args), "path0": sys.path[0]}, f)
+    w = torch.nn.Parameter(torch.zeros(4))
+    w.grad = torch.ones(4)
+    pretrain = torch.optim.SGD([w], lr=0.1)  # as the tiny world's pretraining: not make_optimizer's
+    for _ in range(6):
+        pretrain.step()
+    optimizer = make_optimizer([w], args.lr)
+    for step in range(1, args.steps + 1):
+        with open(os.path.join(HERE, "steps"), "a") as f:
+            f.write(f"{step}\\n")
+        optimizer.step()
+    open(os.path.join(HERE, "evaluated"), "w").close()
+'''
+
+
+def test_train_steps_times_a_checkouts_own_optimizer_in_a_fresh_process_and_stops_after_last(tmp_path):
+    """A fake checkout's train.py, run as a timed run is (a real process): its sys.path starts at the checkout, it
+    gets the flags with the bench's --steps, only make_optimizer's updates are timed (not the 6 of an optimizer of
+    its own, made first), the clock increases, and the run stops after step --last, before what follows its loop."""
+    (tmp_path / "train.py").write_text(FAKE_TRAIN)
+    times = train_steps.step_times(str(tmp_path), ["--lr", "0.5", "--steps", "100"], 4)
+    assert len(times) == 4 and all(a < b for a, b in zip(times, times[1:])), f"the clock after steps 1-4: {times}"
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["path0"] == str(tmp_path) and run["args"]["lr"] == 0.5 and run["args"]["steps"] == 4, run
+    steps = (tmp_path / "steps").read_text().split()
+    assert steps == ["1", "2", "3", "4"], f"train.py's loop began steps {steps}, want 1-4"
+    assert not (tmp_path / "evaluated").exists(), "the run went on past step --last"
+
+
+# -----------------------------------------------------------------------------
 # bench.real's wall clock on recorded runs (no model), its decoders, request lists and flags
 
 RECORDED_TOKENS = (12, 7, 9, 11)  # the new tokens of the answer to each recorded prompt

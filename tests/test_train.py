@@ -22,7 +22,7 @@ import train
 from harness import checkpoint, data, fast_loss, memory, metrics, tiny_world
 from harness import regenerate as regenerate_module
 from harness import target as target_module
-from bench import ablation, cost, gpu_check, peer_cycle, peer_step, real
+from bench import ablation, cost, gpu_check, peer_cycle, peer_step, real, train_steps
 from port import golden
 from conftest import tiny_qwen3
 from dflash2 import DFlash2Config, DFlash2Drafter
@@ -473,6 +473,7 @@ ENTRY_POINTS = {  # every entry point but train.py: its parser, and what it must
     "bench.ablation": (ablation.parse_args, set()), "bench.cost": (cost.parse_args, set()),
     "bench.gpu_check": (gpu_check.parse_args, set()), "bench.peer_cycle": (peer_cycle.parse_args, set()),
     "bench.peer_step": (peer_step.parse_args, set()), "bench.real": (real.parse_args, set()),
+    "bench.train_steps": (train_steps.parse_args, set()),
     "port.golden": (golden.main, set())}
 
 
