@@ -12,6 +12,7 @@ algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports t
     metrics     the §6 metrics of a batch, the evaluation on the validation rows, the end-of-run decoding
     memory      the memory plan of a training step on one GPU
     regenerate  on-policy data: the target answers the conversations itself
+    lookup      drafts looked up in the request's own tokens, and the gate between them and the drafter
     tiny_world  the offline world of `python train.py`: a tiny target and its data, built once and cached
 
 Entry points: python -m harness.checkpoint (an export and its serving commands), python -m harness.regenerate

@@ -20,6 +20,7 @@ from conftest import (ForcedLookup, argmax_loop, chi_square_pvalue, exact_joint3
                       replace_q, tiny_qwen3)
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
+from harness.lookup import SuffixLookup
 from tests.conftest import tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -122,6 +123,27 @@ def test_greedy_forced_drafts_accept_exactly_the_right_prefix(monkeypatch, targe
     assert stats.acceptance_lengths == want, f"{n_right} right drafts: acceptance lengths {stats.acceptance_lengths} != {want}"
     per_slot = [sum(al - 1 > k for al in want) for k in range(drafter.config.block_size - 1)]
     assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+
+
+REPEATING = [(5, 9, 1, 7, 5, 9, 1, 7, 5, 9), (3, 4, 3, 4, 3, 4, 3), (11, 30, 2, 2, 8, 19, 11, 30, 2)]
+
+
+@pytest.mark.parametrize("max_tokens", [2, 10])  # B = 5: fewer than B − 1, and twice B
+@pytest.mark.parametrize("prompt", REPEATING)
+def test_greedy_with_a_suffix_lookup_equals_naive_greedy(target, drafter, prompt, max_tokens):
+    """Prompts that repeat themselves, lookup drafts wherever a token occurred before (min_match 1, gate 0), the
+    drafter's elsewhere: the output is the target's greedy decoding, and the lookup's drafts were both cut by a
+    rejection and accepted whole."""
+    expected = argmax_loop(target, prompt, MAX_NEW)[0]
+    lookup = SuffixLookup(max_tokens=max_tokens, min_match=1, gate=0)
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, lookup=lookup)
+    assert_greedy_run(out, stats, expected, f"lookup of {max_tokens}, prompt {prompt}")
+    assert {"lookup", "drafter"} <= set(stats.sources), f"prompt {prompt}: sources {stats.sources}"
+    emitted = 1 + np.cumsum([0] + stats.acceptance_lengths)
+    drafts = [min(max_tokens, MAX_NEW - e - 1) for e in emitted]  # each lookup cycle's draft, cut at MAX_NEW
+    looked = [(al - 1, n) for al, n, s in zip(stats.acceptance_lengths, drafts, stats.sources) if s == "lookup"]
+    assert any(accepted < n for accepted, n in looked) and any(accepted == n > 0 for accepted, n in looked), (
+        f"prompt {prompt}: lookup drafts (accepted, drafted) {looked}: a rejection and a whole accept both wanted")
 
 
 @pytest.mark.parametrize("max_new_tokens", [MAX_NEW, 13])
