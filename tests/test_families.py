@@ -579,9 +579,9 @@ def test_a_hybrid_target_rolls_back_exactly_through_partly_wrong_drafts(monkeypa
 
 @pytest.mark.parametrize("family", ["Qwen3.5", "Mistral"])  # linear attention; a sliding window
 def test_long_lookup_drafts_roll_back_exactly_on_a_hybrid_or_sliding_target(monkeypatch, family):
-    """Lookup drafts of 2B = 8 tokens right for 5, then 0 and 8 (all) in a row, after a drafter cycle right for 2 of
-    B − 1 = 3: the target rolls back 3 and 8 tokens of one verification, past B − 1, and the sliding layers read
-    verifications longer than their window W = 6. Greedy output and each verification's logits as in the
+    """Lookup drafts of 2B = 8 tokens right for 5, then (after a drafter cycle right for 2 of B − 1 = 3) for 0 and
+    8 (all) in a row: the target rolls back 3 and 8 tokens of one verification, past B − 1, and the sliding layers
+    read verifications longer than their window W = 6. Greedy output and each verification's logits as in the
     test above."""
     target = family_target(family)
     drafter = family_drafter(target)

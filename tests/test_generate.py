@@ -582,8 +582,8 @@ def test_one_draft_token_samples_the_target_law(loop_models):
 def test_lookup_drafts_sample_the_target_law(monkeypatch, loop_models, q_kind):
     """Each run's first cycle verifies a lookup's 2 tokens, the target's greedy continuation of LOOP_PROMPT (the
     target is peaked: often kept, sometimes not), its next the drafter's, then the lookup's again. With q a point
-    mass on each looked-up token the joint of the first 3 tokens is the target's (chi-square); the same test,
-    with half of LOOP_RUNS, must reject a lookup draft verified as if drawn uniformly over the vocabulary."""
+    mass on each looked-up token the joint of the first 3 tokens is the target's (chi-square, LOOP_RUNS / 2 runs);
+    the same test must reject a lookup draft verified as if drawn uniformly over the vocabulary."""
     target, drafter = loop_models
     if q_kind == "uniform q":
         point_mass = dflash2.q_over_vocab  # K = 1 only for a lookup's draft (the walk's K is 4)
