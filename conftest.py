@@ -132,6 +132,20 @@ def force_drafts(monkeypatch, drafter, reference, n_right):
     return calls
 
 
+class ForcedLookup:
+    """A lookup draft source for spec_generate's lookup=: its c-th call proposes the max_tokens tokens of reference
+    (the whole greedy sequence, prompt included) after the anchor's position len(tokens) − 1, right for the first
+    n_right[c % len(n_right)] of them and wrong after; None: it proposes nothing and the drafter drafts."""
+    def __init__(self, reference, n_right, max_tokens, vocab_size):
+        self.reference, self.n_right, self.max_tokens, self.vocab_size = reference, n_right, max_tokens, vocab_size
+        self.calls = 0
+
+    def __call__(self, tokens, stats):
+        j, self.calls = self.n_right[self.calls % len(self.n_right)], self.calls + 1
+        right = self.reference[len(tokens):len(tokens) + self.max_tokens]
+        return [] if j is None else right[:j] + [(t + 1) % self.vocab_size for t in right[j:]]
+
+
 @torch.no_grad()
 def exact_joint3(target, prompt, temperature, top_p, top_k):
     """p(x1) p(x2|x1) p(x3|x1,x2) after the prompt, (V, V, V), from one batched forward."""

@@ -626,14 +626,17 @@ def draft_forward(drafter, view, anchor, new_f, draft_cache):
     return h, view.logits(h).float()
 
 def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n, temperature=0.0, top_p=1.0,
-                            top_k=0, generator=None):
+                            top_k=0, generator=None, draft=None):
     """One draft-and-verify cycle (§5): the anchor (1,) at a is the last emitted token, the target's cache holds
-    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens, verify them in one target pass (greedy or
-    sampled), keep the accepted prefix and a bonus. -> (the accepted drafts then the bonus, next new_f)."""
-    # draft: one drafter pass over [anchor, MASK, ...], then the walk (or the unary law) picks n tokens
-    h, U = draft_forward(drafter, view, anchor, new_f, draft_cache)
-    path, cand, q = drafter.propose(h, U, anchor, temperature, generator, top_p=top_p, top_k=top_k, W_in=view.W_in)
-    draft = path[0, :n]
+    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens (or take draft (n,) long from elsewhere: no draft
+    pass, q a point mass on each), verify them in one target pass (greedy or sampled), keep the accepted prefix and a
+    bonus. -> (the accepted drafts then the bonus, next new_f)."""
+    if draft is None:  # draft: one drafter pass over [anchor, MASK, ...], then the walk (or the unary law) picks n
+        h, U = draft_forward(drafter, view, anchor, new_f, draft_cache)
+        path, cand, q = drafter.propose(h, U, anchor, temperature, generator, top_p=top_p, top_k=top_k, W_in=view.W_in)
+        draft, unread = path[0, :n], new_f[:, :0]
+    else:  # a draft from elsewhere (a lookup): q puts all its mass on each token; the drafter has not read new_f
+        cand, q, unread = draft[None, :, None], torch.ones(1, n, 1, device=draft.device), new_f
     # verify: the target reads [anchor ; draft] after its cache; logits row i is its law after draft[:i]
     out = target(torch.cat([anchor, draft])[None], cache=cache, use_cache=True, output_hidden_states=True)
     logits = out.logits[0]
@@ -644,19 +647,20 @@ def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, n
         q_v = q[0, :n].double() if cand is None else q_over_vocab(cand[0, :n], q[0, :n], logits.shape[-1])
         n_acc, bonus = verify_sampled(draft, q_v, p, generator)
     # roll back: the target drops the n − n_acc rejected drafts (transformers 5: crop(−m) drops the last m; crop(0)
-    # drops nothing but trims the layers that recorded their past); the drafter's next new context is the
-    # features of the anchor and the accepted drafts (the bonus is the next anchor)
+    # drops nothing but trims the layers that recorded their past); the drafter's next new context is all it has not
+    # read: unread, then the features of the anchor and the accepted drafts (the bonus is the next anchor)
     cache.crop(-(n - n_acc))
-    new_f = context_features(out.hidden_states, drafter.config.target_layer_ids)[:, :n_acc + 1]
-    return draft[:n_acc].tolist() + [bonus], new_f
+    feats = context_features(out.hidden_states, drafter.config.target_layer_ids)[:, :n_acc + 1]
+    return draft[:n_acc].tolist() + [bonus], torch.cat([unread, feats], 1)
 
 @dataclass
 class GenerationStats:
     acceptance_lengths: list = field(default_factory=list)   # tokens committed per cycle, bonus included
-    accepted_per_slot: list = field(default_factory=list)    # cycles in which slot k was accepted
+    accepted_per_slot: list = field(default_factory=list)    # the drafter's cycles in which slot k was accepted
     target_forwards: int = 0                                 # prefill included
     new_tokens: int = 0
     decode_seconds: float = 0.0                              # everything after the prefill
+    sources: list = field(default_factory=list)              # per cycle: who drafted, 'drafter' or 'lookup'
 
     @property
     def mean_acceptance_length(self):
@@ -696,31 +700,39 @@ def target_generate(target, input_ids, max_new_tokens, temperature=0.0, top_p=1.
 
 @torch.no_grad()
 def spec_generate(drafter, target, input_ids, max_new_tokens, temperature=0.0, top_p=1.0, top_k=0,
-                  stop_token_ids=None, generator=None, view=None, draft_tokens=None):
+                  stop_token_ids=None, generator=None, view=None, draft_tokens=None, lookup=None):
     """Speculative decoding of one sequence with a DFlash/DFlash2 drafter (§5): equals target_generate's output token
     for token at T = 0, follows its law at T > 0. view: the target as the drafter reads it (None: target_view's plain
-    forms); draft_tokens: the drafts a cycle verifies, 1..B−1 (None: B−1). -> (new ids (n,), GenerationStats)."""
+    forms); draft_tokens: the drafts a cycle verifies, 1..B−1 (None: B−1); lookup: a draft source asked first each
+    cycle, lookup(prompt ids + emitted ids, stats) -> at most lookup.max_tokens ids to verify ([]: the drafter
+    drafts), e.g. harness.lookup.SuffixLookup. -> (new ids (n,), GenerationStats)."""
     c, dev, B = drafter.config, input_ids.device, drafter.config.block_size
     check_generation_args(input_ids, max_new_tokens, temperature, top_p, top_k, draft_tokens, B)
     view = view or target_view(c, target)
     stats, stop_ids, tokens = GenerationStats(accepted_per_slot=[0] * (B - 1)), set(stop_token_ids or ()), []
-    cache, draft_cache = target_cache(target, forward_tokens=B), DraftCache(c.num_layers)  # [anchor ; <= B−1 drafts]
+    longest = max(B, lookup.max_tokens + 1) if lookup else B  # a verify call: [anchor ; <= B−1 drafts or a lookup's]
+    cache, draft_cache = target_cache(target, forward_tokens=longest), DraftCache(c.num_layers)
+    prompt = input_ids[0].tolist()  # what a lookup reads, with the emitted tokens after it
     out = target(input_ids, cache=cache, use_cache=True, output_hidden_states=True)
     check_hidden_states(target, out.hidden_states)
     new_f = context_features(out.hidden_states, c.target_layer_ids)  # features not yet in draft_cache
     start, stats.target_forwards = device_time(dev), 1
     done = emit(tokens, [int(sample(out.logits[0, -1], temperature, top_p, top_k, generator))], stop_ids, max_new_tokens)
     while not done:
-        n = min(draft_tokens or B - 1, max_new_tokens - len(tokens) - 1)  # never draft past max_new_tokens
+        left = max_new_tokens - len(tokens) - 1  # never draft past max_new_tokens
+        looked = lookup(prompt + tokens, stats)[:min(lookup.max_tokens, left)] if lookup and left else []
+        n = len(looked) or min(draft_tokens or B - 1, left)
         anchor = torch.tensor([tokens[-1]], device=dev)  # the last emitted token; the target has not read it yet
         committed, new_f = speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n,
-                                                   temperature, top_p, top_k, generator)
+                                                   temperature, top_p, top_k, generator,
+                                                   torch.tensor(looked, device=dev) if looked else None)
         stats.target_forwards += 1
         before = len(tokens)
         done = emit(tokens, committed, stop_ids, max_new_tokens)
         kept = len(tokens) - before  # fewer than committed when a stop token ends the cycle early
         stats.acceptance_lengths.append(kept)
-        for k in range(min(len(committed) - 1, kept)):  # the accepted drafts among the kept tokens
+        stats.sources.append("lookup" if looked else "drafter")
+        for k in range(0 if looked else min(len(committed) - 1, kept)):  # the drafter's accepted drafts, kept
             stats.accepted_per_slot[k] += 1
     stats.decode_seconds, stats.new_tokens = device_time(dev) - start, len(tokens)
     return torch.tensor(tokens, dtype=torch.long), stats

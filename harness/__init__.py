@@ -12,6 +12,7 @@ large candidates where they tie): delete it and dflash2.py still holds the whole
     metrics     the §6 metrics of a batch, the evaluation on the validation rows, the end-of-run decoding
     memory      the memory plan of a training step on one GPU, the CPU allocator's huge pages
     regenerate  on-policy data: the target answers the conversations itself
+    lookup      drafts looked up in the request's own tokens, and the gate between them and the drafter
     tiny_world  the offline world of `python train.py`: a tiny target and its data, built once and cached
 
 Entry points: python -m harness.checkpoint (an export and its serving commands), python -m harness.regenerate

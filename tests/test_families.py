@@ -17,7 +17,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 import dflash2
 from harness import checkpoint, regenerate
 from harness import target as target_module
-from conftest import argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
+from conftest import ForcedLookup, argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward
 from harness.target import (check_target_view, config_transforms, decoding_view, drafter_config, model_class,
                             rope_tables, target_features, text_config)
 from dflash2 import DFlash2Drafter, DraftCache
@@ -544,6 +544,19 @@ def test_the_family_decodes_losslessly_and_trains(family):
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], f"{family}: losses {losses}"
 
 
+def assert_verifications_equal_fresh_forwards(family, target, calls, reference, stats):
+    """Each verification's logits (calls: the target's, prefill first) against a fresh forward over the committed
+    tokens and that verification's input."""
+    committed = PROMPT + np.cumsum([0] + stats.acceptance_lengths)
+    tolerance = 5e-5  # transformers' reference recurrent kernels compute in float32; a misaligned state: 3e-4 to 0.1
+    with torch.no_grad():
+        for i, ((ids,), _, out) in enumerate(calls[1:]):
+            fresh = target(torch.cat([torch.tensor([reference[:committed[i]]]), ids], 1)).logits[0, committed[i]:]
+            error = float((out.logits[0] - fresh).abs().max())
+            assert error < tolerance, f"{family}, cycle {i}: the rolled-back cache's logits differ from a fresh " \
+                                      f"forward by {error:.3g}"
+
+
 @pytest.mark.parametrize("family", HYBRIDS)
 def test_a_hybrid_target_rolls_back_exactly_through_partly_wrong_drafts(monkeypatch, family):
     """Drafts right for 2, 0, 3 (all), 1, ... slots of B − 1 = 3: every rollback size of the recurrent
@@ -561,14 +574,30 @@ def test_a_hybrid_target_rolls_back_exactly_through_partly_wrong_drafts(monkeypa
     assert spec.tolist() == reference[PROMPT:PROMPT + NEW], (
         f"{family}: spec_generate {spec.tolist()} != the uncached greedy loop {reference[PROMPT:PROMPT + NEW]}")
     assert stats.acceptance_lengths[:4] == [3, 1, 4, 2], f"{family}: acceptance lengths {stats.acceptance_lengths}"
-    committed = PROMPT + np.cumsum([0] + stats.acceptance_lengths)
-    tolerance = 5e-5  # transformers' reference recurrent kernels compute in float32; a misaligned state: 3e-4 to 0.1
-    with torch.no_grad():
-        for i, ((ids,), _, out) in enumerate(calls[1:]):
-            fresh = target(torch.cat([torch.tensor([reference[:committed[i]]]), ids], 1)).logits[0, committed[i]:]
-            error = float((out.logits[0] - fresh).abs().max())
-            assert error < tolerance, f"{family}, cycle {i}: the rolled-back cache's logits differ from a fresh " \
-                                      f"forward by {error:.3g}"
+    assert_verifications_equal_fresh_forwards(family, target, calls, reference, stats)
+
+
+@pytest.mark.parametrize("family", ["Qwen3.5", "Mistral"])  # linear attention; a sliding window
+def test_long_lookup_drafts_roll_back_exactly_on_a_hybrid_or_sliding_target(monkeypatch, family):
+    """Lookup drafts of 2B = 8 tokens right for 5, then (after a drafter cycle right for 2 of B − 1 = 3) for 0 and
+    8 (all) in a row: the target rolls back 3 and 8 tokens of one verification, past B − 1, and the sliding layers
+    read verifications longer than their window W = 6. Greedy output and each verification's logits as in the
+    test above."""
+    target = family_target(family)
+    drafter = family_drafter(target)
+    prompt = torch.randint(3, V - 1, (PROMPT,), generator=torch.Generator().manual_seed(8)).tolist()
+    reference = prompt + argmax_loop(target, prompt, NEW + 8)[0]
+    force_drafts(monkeypatch, drafter, reference, [2])
+    lookup = ForcedLookup(reference, [5, None, 0, 8], 8, V)
+    calls = record_forward(monkeypatch, target)
+    spec, stats = dflash2.spec_generate(drafter, target, torch.tensor([prompt]), NEW, lookup=lookup)
+    monkeypatch.undo()
+    assert spec.tolist() == reference[PROMPT:PROMPT + NEW], (
+        f"{family}: spec_generate {spec.tolist()} != the uncached greedy loop {reference[PROMPT:PROMPT + NEW]}")
+    cycles = list(zip(stats.acceptance_lengths, stats.sources))
+    assert cycles == [(6, "lookup"), (3, "drafter"), (1, "lookup"), (9, "lookup")], (
+        f"{family}: (acceptance length, source) per cycle {cycles}")
+    assert_verifications_equal_fresh_forwards(family, target, calls, reference, stats)
 
 
 def test_a_hybrid_target_is_sampled_by_its_law():

@@ -15,10 +15,12 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward, replace_q,
-                      tiny_qwen3)
+import dflash2
+from conftest import (ForcedLookup, argmax_loop, chi_square_pvalue, exact_joint3, force_drafts, record_forward,
+                      replace_q, tiny_qwen3)
 from dflash2 import (DFlash2Drafter, DraftCache, acceptance_probability, context_features, residual_distribution, sampling_probs,
                      spec_generate, target_generate, verify_sampled)
+from harness.lookup import SuffixLookup
 from tests.conftest import tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -40,24 +42,34 @@ def naive_greedy(target, prompt, n):
 
 
 PROMPTS = [(3,), (5, 9, 1, 7), (11, 30, 2, 2, 8, 19)]
+REPEATING = [(5, 9, 1, 7, 5, 9, 1, 7, 5, 9), (3, 4, 3, 4, 3, 4, 3), (11, 30, 2, 2, 8, 19, 11, 30, 2)]  # for lookups
 MAX_NEW = 20
 
 
 @pytest.fixture(scope="module")
 def greedy_reference(target):
     """prompt -> prompt + greedy continuation, long enough for a full block past MAX_NEW."""
-    return {p: naive_greedy(target, p, MAX_NEW + 8) for p in PROMPTS}
+    return {p: naive_greedy(target, p, MAX_NEW + 8) for p in PROMPTS + REPEATING}
+
+
+def expected_cycles(n_right, block_size, max_new_tokens, looked_right=(None,), max_lookup=0):
+    """(tokens committed, source) per cycle when the drafter's c-th cycle has its first n_right[c] drafts right and
+    the lookup's c-th call (ForcedLookup, asked while a token is left to draft) proposes max_lookup tokens, the first
+    looked_right[c] of them right (None: no proposal), each draft cut so the bonus never passes max_new_tokens."""
+    cycles, emitted, calls = [], 1, 0            # the first token comes from the prefill
+    while emitted < max_new_tokens:
+        left = max_new_tokens - emitted - 1
+        j, calls = (looked_right[calls % len(looked_right)], calls + 1) if left else (None, calls)
+        drafted = sum(source == "drafter" for _, source in cycles)
+        cycles.append((min(n_right[drafted % len(n_right)], block_size - 1, left) + 1, "drafter") if j is None
+                      else (min(j, max_lookup, left) + 1, "lookup"))
+        emitted += cycles[-1][0]
+    return cycles
 
 
 def expected_acceptance_lengths(n_right, block_size, max_new_tokens):
-    """Tokens committed per cycle when cycle c's first n_right[c] drafts are right and the
-    draft is cut so the bonus never passes max_new_tokens."""
-    lengths, emitted = [], 1                     # the first token comes from the prefill
-    while emitted < max_new_tokens:
-        n = min(block_size - 1, max_new_tokens - emitted - 1)
-        lengths.append(min(n_right[len(lengths) % len(n_right)], n) + 1)
-        emitted += lengths[-1]
-    return lengths
+    """Tokens committed per cycle of expected_cycles with no lookup."""
+    return [length for length, _ in expected_cycles(n_right, block_size, max_new_tokens)]
 
 
 # -----------------------------------------------------------------------------
@@ -112,6 +124,47 @@ def test_greedy_forced_drafts_accept_exactly_the_right_prefix(monkeypatch, targe
     assert stats.acceptance_lengths == want, f"{n_right} right drafts: acceptance lengths {stats.acceptance_lengths} != {want}"
     per_slot = [sum(al - 1 > k for al in want) for k in range(drafter.config.block_size - 1)]
     assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+
+
+@pytest.mark.parametrize("max_tokens", [2, 10])  # B = 5: fewer than B − 1, and twice B
+@pytest.mark.parametrize("prompt", REPEATING)
+def test_greedy_with_a_suffix_lookup_equals_naive_greedy(target, drafter, greedy_reference, prompt, max_tokens):
+    """Prompts that repeat themselves, lookup drafts wherever a token occurred before (min_match 1, gate 0), the
+    drafter's elsewhere: the output is the target's greedy decoding, and the lookup's drafts were both cut by a
+    rejection and accepted whole."""
+    expected = greedy_reference[prompt][len(prompt):len(prompt) + MAX_NEW]
+    lookup = SuffixLookup(max_tokens=max_tokens, min_match=1, gate=0)
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, lookup=lookup)
+    assert_greedy_run(out, stats, expected, f"lookup of {max_tokens}, prompt {prompt}")
+    assert {"lookup", "drafter"} <= set(stats.sources), f"prompt {prompt}: sources {stats.sources}"
+    emitted = 1 + np.cumsum([0] + stats.acceptance_lengths)
+    drafts = [min(max_tokens, MAX_NEW - e - 1) for e in emitted]  # each lookup cycle's draft, cut at MAX_NEW
+    looked = [(al - 1, n) for al, n, s in zip(stats.acceptance_lengths, drafts, stats.sources) if s == "lookup"]
+    assert any(accepted < n for accepted, n in looked) and any(accepted == n > 0 for accepted, n in looked), (
+        f"prompt {prompt}: lookup drafts (accepted, drafted) {looked}: a rejection and a whole accept both wanted")
+
+
+@pytest.mark.parametrize("max_new_tokens", [MAX_NEW, 13])
+@pytest.mark.parametrize("max_lookup", [2, 10])  # B = 5: fewer than B − 1, and twice B
+def test_greedy_forced_lookup_drafts_accept_exactly_the_right_prefix(monkeypatch, target, drafter, greedy_reference,
+                                                                     max_lookup, max_new_tokens):
+    """A lookup right for 10 (all), none (the drafter drafts), 0, 6, none, 3 of its tokens, the drafter right for 4
+    and 1: the acceptance lengths and sources are those counted by hand (expected_cycles), accepted_per_slot
+    counts the drafter's cycles only, and no verify call reads more than the anchor and max_lookup tokens."""
+    prompt, B = PROMPTS[1], drafter.config.block_size
+    reference = greedy_reference[prompt]
+    force_drafts(monkeypatch, drafter, reference, [4, 1])
+    lookup = ForcedLookup(reference, [10, None, 0, 6, None, 3], max_lookup, 32)
+    calls = record_forward(monkeypatch, target)
+    out, stats = spec_generate(drafter, target, torch.tensor([prompt]), max_new_tokens, lookup=lookup)
+    assert_greedy_run(out, stats, reference[len(prompt):len(prompt) + max_new_tokens], f"lookup of {max_lookup}")
+    want = expected_cycles([4, 1], B, max_new_tokens, [10, None, 0, 6, None, 3], max_lookup)
+    assert list(zip(stats.acceptance_lengths, stats.sources)) == want, (
+        f"(acceptance length, source) per cycle {list(zip(stats.acceptance_lengths, stats.sources))} != {want}")
+    per_slot = [sum(al - 1 > k for al, source in want if source == "drafter") for k in range(B - 1)]
+    assert stats.accepted_per_slot == per_slot, f"accepted_per_slot {stats.accepted_per_slot} != {per_slot}"
+    read = [args[0].shape[1] for args, _, _ in calls[1:]]
+    assert max(read) == max(B, min(max_lookup, max_new_tokens - 2) + 1), f"verify calls read {read} tokens"
 
 
 @pytest.mark.parametrize("stop_index", [0, 2, 6])
@@ -525,31 +578,67 @@ def test_one_draft_token_samples_the_target_law(loop_models):
         f"p = {pvalue:.3g}"
 
 
+@pytest.mark.parametrize("q_kind", ["point mass", "uniform q"])
+def test_lookup_drafts_sample_the_target_law(monkeypatch, loop_models, q_kind):
+    """Each run's first cycle verifies a lookup's 2 tokens, the target's greedy continuation of LOOP_PROMPT (the
+    target is peaked: often kept, sometimes not), its next the drafter's, then the lookup's again. With q a point
+    mass on each looked-up token the joint of the first 3 tokens is the target's (chi-square, LOOP_RUNS / 2 runs);
+    the same test must reject a lookup draft verified as if drawn uniformly over the vocabulary."""
+    target, drafter = loop_models
+    if q_kind == "uniform q":
+        point_mass = dflash2.q_over_vocab  # K = 1 only for a lookup's draft (the walk's K is 4)
+        monkeypatch.setattr(dflash2, "q_over_vocab", lambda cand, q, V: torch.full(
+            (*cand.shape[:-1], V), 1 / V, dtype=torch.float64) if cand.shape[-1] == 1 else point_mass(cand, q, V))
+    reference = list(LOOP_PROMPT) + argmax_loop(target, LOOP_PROMPT, 8)[0]
+    g, counts, first, sources = torch.Generator().manual_seed(0), np.zeros((LOOP_V,) * 3), [], set()
+    for _ in range(LOOP_RUNS // 2):
+        out, stats = spec_generate(drafter, target, torch.tensor([LOOP_PROMPT]), 4, 1.0, generator=g,
+                                   lookup=ForcedLookup(reference, [3, None], 3, LOOP_V))
+        counts[tuple(out[:3].tolist())] += 1
+        first.append(stats.acceptance_lengths[0])
+        sources.update(stats.sources[1:])
+    assert stats.sources[0] == "lookup" and "drafter" in sources, f"later cycles' sources {sources}: no drafter"
+    pvalue = chi_square_pvalue(counts, exact_joint3(target, LOOP_PROMPT, 1.0, 1.0, 0).numpy(), q_kind)
+    if q_kind == "point mass":
+        seen = np.bincount(first, minlength=4)[1:]
+        assert seen.all(), f"first-cycle acceptance lengths 1/2/3 seen {seen.tolist()} times: a branch is never exercised"
+        assert pvalue > 1e-6, f"with lookup drafts the first 3 tokens depart from the target's exact joint: p = {pvalue:.3g}"
+    else:
+        assert pvalue < 1e-6, f"lookup drafts verified with a uniform q went undetected: p = {pvalue:.3g}"
+
+
 # -----------------------------------------------------------------------------
 # cache rollback: the cropped target cache and the context-only draft cache equal fresh ones
 
 
+@pytest.mark.parametrize("looked", [False, True], ids=["drafter", "lookup"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_reference, temperature):
+def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_reference, temperature, looked):
     """At T = 0 the drafts are right for 4, 0, 2, 1, 3, ... slots (every crop size, and no
-    crop); at T = 1 the random drafter is mostly rejected. Every target call's logits must
-    equal a fresh, cache-free forward over the committed tokens plus that call's input, and
-    every draft pass's hidden states a pass with a fresh DraftCache filled with all
-    committed context at once. Compared at 1e-12, not bitwise: a fresh prefill multiplies
-    matrices of other shapes, and BLAS does not promise the same rounding across shapes."""
+    crop); at T = 1 the random drafter is mostly rejected. With a lookup, some cycles verify
+    10 tokens (twice B) instead, right for 7, 0 (in a row), then 10 of them, and the drafter
+    reads their features at its next pass. Every target call's logits must equal a fresh, cache-free
+    forward over the committed tokens plus that call's input, and every draft pass's hidden
+    states a pass with a fresh DraftCache filled with all committed context at once.
+    Compared at 1e-12, not bitwise: a fresh prefill multiplies matrices of other shapes, and
+    BLAS does not promise the same rounding across shapes."""
     prompt = PROMPTS[1]
     if temperature == 0:
         draft_calls = force_drafts(monkeypatch, drafter, greedy_reference[prompt], [4, 0, 2, 1, 3])
     else:
         draft_calls = record_forward(monkeypatch, drafter)
+    lookup = ForcedLookup(greedy_reference[prompt], [7, 0, None, None, 10], 10, 32) if looked else None
     target_calls = record_forward(monkeypatch, target)
     out, stats = spec_generate(drafter, target, torch.tensor([prompt]), MAX_NEW, temperature,
-                               generator=torch.Generator().manual_seed(0))
+                               generator=torch.Generator().manual_seed(0), lookup=lookup)
     monkeypatch.undo()
     full, P = list(prompt) + out.tolist(), len(prompt)
     committed = P + np.cumsum([0] + stats.acceptance_lengths)  # target cache length before each verify call
-    assert len(target_calls) == 1 + len(stats.acceptance_lengths) == len(draft_calls) + 1, (
-        f"{len(target_calls)} target calls, {len(draft_calls)} draft passes, {len(stats.acceptance_lengths)} cycles")
+    drafted = [i for i, source in enumerate(stats.sources) if source == "drafter"]  # the cycles with a draft pass
+    assert len(target_calls) == 1 + len(stats.acceptance_lengths) and len(draft_calls) == len(drafted), (
+        f"{len(target_calls)} target calls, {len(draft_calls)} draft passes, {len(stats.acceptance_lengths)} cycles, "
+        f"{len(drafted)} of them the drafter's")
+    assert looked == ("lookup" in stats.sources), f"sources {stats.sources}"
     embed = target.get_input_embeddings()
     with torch.no_grad():
         for i, ((ids,), _, res) in enumerate(target_calls[1:]):
@@ -558,13 +647,14 @@ def test_caches_equal_fresh_prefill(monkeypatch, target, drafter, greedy_referen
             fresh = target(torch.tensor([full[:L0] + ids])).logits[0, L0:]
             err = (res.logits[0] - fresh).abs().max().item()
             assert err < 1e-12, f"cycle {i}: target logits with the rolled-back cache differ from a fresh prefill by {err:.3g}"
-
-            (block_embeds, block_pos, _, ctx_pos), _, h = draft_calls[i]
+        for j, i in enumerate(drafted):
+            L0 = int(committed[i])
+            (block_embeds, block_pos, _, ctx_pos), _, h = draft_calls[j]
             block = torch.tensor([[full[L0]] + [drafter.config.mask_token_id] * (drafter.config.block_size - 1)])
             assert torch.equal(block_embeds, embed(block)), f"cycle {i}: draft block is not [anchor, MASK, ...]"
             assert torch.equal(block_pos[0], torch.arange(L0, L0 + drafter.config.block_size)), (
                 f"cycle {i}: block positions {block_pos[0].tolist()}, anchor at {L0}")
-            assert ctx_pos[0].tolist() == list(range(int(committed[i - 1]) if i else 0, L0)), (
+            assert ctx_pos[0].tolist() == list(range(int(committed[drafted[j - 1]]) if j else 0, L0)), (
                 f"cycle {i}: new context positions {ctx_pos[0].tolist()}")
             hs = target(torch.tensor([full[:L0]]), output_hidden_states=True).hidden_states
             ctx = context_features(hs, drafter.config.target_layer_ids)
