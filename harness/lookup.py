@@ -12,6 +12,10 @@ for all of max_tokens. The draft is built greedily: at step t, among the occurre
 the draft so far, take the most frequent next token (ties: the latest occurrence's), f_t its share of them, and
 keep the occurrences that took it. The score is the draft's expected acceptance length, bonus included, if the
 target's next tokens followed those empirical frequencies: 1 + Σ_t Π_{u<=t} f_u.
+
+With fallback, where no suffix occurred earlier, the proposal is one token: the one that most often followed the last
+token earlier (ties: the latest occurrence's), f its share of them, score 1 + f; or, where the last token never
+occurred before, the last token itself, score 1 (the bonus alone).
 """
 
 
@@ -27,11 +31,14 @@ def by_source(stats):
 class SuffixLookup:
     """One request's lookup draft source. lookup(tokens, stats) -> the draft, or [] where the gate says the drafter
     drafts. gate: a number, the expected acceptance length a draft must pass, or "drafter": the mean acceptance
-    length of the drafter's cycles so far (1 before its first). log: (score, threshold, taken) of every call, score
-    0 where no suffix matched. The index (n-gram of min_match tokens -> the positions it ends at) reads each token
-    once; a list that does not extend the tokens already read starts it over."""
+    length of the drafter's cycles so far (1 before its first). fallback: a one-token guess where no suffix matched
+    (module docstring); with gate 0 the lookup then drafts every cycle and spec_generate never asks the drafter: the
+    lookup alone as a decoder, through the same verification code as the hybrid (bench.real's "our lookup alone").
+    log: (score, threshold, taken) of every call, score 0 where nothing was proposed. The index (n-gram of min_match
+    tokens -> the positions it ends at) reads each token once; a list that does not extend the tokens already read
+    starts it over."""
 
-    def __init__(self, max_tokens=16, min_match=2, max_match=16, gate="drafter"):
+    def __init__(self, max_tokens=16, min_match=2, max_match=16, gate="drafter", fallback=False):
         if not (isinstance(max_tokens, int) and max_tokens >= 1):
             raise ValueError(f"max_tokens ({max_tokens!r}) must be an integer >= 1")
         if not (isinstance(min_match, int) and isinstance(max_match, int) and 1 <= min_match <= max_match):
@@ -40,6 +47,7 @@ class SuffixLookup:
         if not (gate == "drafter" or type(gate) in (int, float) and gate >= 0):
             raise ValueError(f"gate ({gate!r}) must be a number >= 0 or 'drafter'")
         self.max_tokens, self.min_match, self.max_match, self.gate = max_tokens, min_match, max_match, gate
+        self.fallback = fallback
         self.tokens, self.ends, self.log = [], {}, []
 
     def read(self, tokens):
@@ -52,13 +60,13 @@ class SuffixLookup:
         self.tokens = list(tokens)
 
     def propose(self, tokens):
-        """-> (draft of max_tokens, score) from the longest suffix that occurred earlier (module docstring); ([], 0.0)
-        if none did."""
+        """-> (draft of max_tokens, score) from the longest suffix that occurred earlier (module docstring); if none
+        did, fallback's guess, or ([], 0.0)."""
         x, L = list(tokens), len(tokens)
         self.read(x)
         candidates = self.ends.get(tuple(x[L - self.min_match:]), []) if L > self.min_match else []
         if not candidates:
-            return [], 0.0
+            return self.guess(x) if self.fallback else ([], 0.0)
 
         def match(e):  # the length of the suffix that also ends at e, up to max_match
             m = self.min_match
@@ -79,6 +87,18 @@ class SuffixLookup:
             occurrences = [p + 1 for p in occurrences if y[p] == token]
             y.append(token)
         return y[L:], score
+
+    @staticmethod
+    def guess(x):
+        """fallback's proposal (module docstring): -> ([token], score)."""
+        follows = [x[i + 1] for i in range(len(x) - 1) if x[i] == x[-1]]  # a scan: the index holds min_match-grams
+        if not follows:
+            return x[-1:], 1.0
+        counts = {}
+        for token in follows:
+            counts[token] = counts.get(token, 0) + 1
+        token = max(reversed(follows), key=counts.get)  # the most frequent; ties: the latest's
+        return [token], 1.0 + counts[token] / len(follows)
 
     def __call__(self, tokens, stats):
         draft, score = self.propose(tokens)

@@ -1,7 +1,7 @@
 """Tests of harness.lookup: the suffix lookup's proposals against a brute-force search over every earlier occurrence,
-its gate's choice read from its log and from GenerationStats.sources, and its refusals. That decoding with its drafts
-stays lossless is tested in test_generate.py (greedy, chi-square, the caches) and test_families.py (hybrid and
-sliding-window targets)."""
+its fallback guess against an enumeration of what followed the last token, its gate's choice read from its log and
+from GenerationStats.sources, and its refusals. That decoding with its drafts stays lossless is tested in
+test_generate.py (greedy, chi-square, the caches) and test_families.py (hybrid and sliding-window targets)."""
 import random
 from fractions import Fraction
 
@@ -69,6 +69,38 @@ def test_proposals_equal_a_brute_force_search(min_match, max_match, max_tokens):
     assert len(found) > len(seen) / 2 and any(s.denominator > 1 for s in found), (
         f"{len(found)} of {len(seen)} calls found a match, scores {sorted(set(found))[:5]}...: the occurrences' "
         "counts are never exercised")
+
+
+def brute_force_guess(x):
+    """fallback's guess by enumeration: for every token of the vocabulary, the earlier positions i < len(x) − 1
+    holding the last token and followed by it; the token with the most (ties: the one whose latest such i is
+    latest), score 1 + its count over all of them; none anywhere: the last token, score 1."""
+    after = {t: [i for i in range(len(x) - 1) if x[i] == x[-1] and x[i + 1] == t] for t in set(x)}
+    total = sum(map(len, after.values()))
+    if not total:
+        return [x[-1]], Fraction(1)
+    token = max((t for t in after if after[t]), key=lambda t: (len(after[t]), max(after[t])))
+    return [token], 1 + Fraction(len(after[token]), total)
+
+
+@pytest.mark.parametrize("min_match", [1, 2, 3])
+def test_the_fallback_guesses_what_most_often_followed_the_last_token_where_no_suffix_matched(min_match):
+    """fallback=True: where the brute-force search finds a suffix, the draft and score are its; where it finds none,
+    one token, brute_force_guess's, and its score. Both the guess from earlier followers and the last token itself
+    are exercised (the first needs min_match > 1: with 1, no match means the last token is new)."""
+    lookup, kinds = SuffixLookup(max_tokens=4, min_match=min_match, max_match=6, fallback=True), set()
+    for seed in range(3):
+        x = repeating_sequence(seed, 60, 4 + seed)
+        for L in range(1, len(x) + 1):
+            draft, score = lookup.propose(x[:L])
+            want, want_score = brute_force_proposal(x[:L], min_match, 6, 4)
+            if not want:
+                want, want_score = brute_force_guess(x[:L])
+                kinds.add("followed" if want_score > 1 else "last token")
+            assert draft == want and abs(score - float(want_score)) < 1e-12, (
+                f"tokens {x[:L]}: proposed {draft} (score {score}), want {want} (score {want_score})")
+    want_kinds = {"last token"} | ({"followed"} if min_match > 1 else set())
+    assert kinds == want_kinds, f"min_match {min_match}: fallback cases seen {kinds}, want {want_kinds}"
 
 
 @pytest.mark.parametrize("kwargs, match", [
