@@ -33,17 +33,21 @@ their unary paths, the same weights with the selector off; the label options thr
 walk only), and the held-out modules' first --eval-prompts requests at every setting. Intervals
 are paired 95% bootstraps over the prompts (and seeds, --seeds).
 Then the wall clock, on --wall-prompts of the held-out modules' requests and of HumanEval's:
-the best drafter with a selector at draft lengths 3, 5 and B - 1, against what a user runs
-instead: transformers' `generate`, its prompt-lookup decoding at each of LOOKUP_KS, and
-target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
-identical; with the field's counts (per-request and pooled AL, acceptance per draft position)
-and this CPU's break-even AL at each draft length.
+the best drafter with a selector at draft lengths 3, 5 and B - 1, the hybrid (harness.lookup's
+suffix lookup asked first each cycle, at each of HYBRID_GATES, the drafter drafting the cycles it
+leaves) and our lookup alone (the same lookup and verification, no drafter draft), against what
+a user runs instead: transformers' `generate`, its prompt-lookup decoding at each of LOOKUP_KS,
+and target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
+identical; with the field's counts (per-request and pooled AL, acceptance per draft position),
+this CPU's break-even AL at each draft length, the hybrids' cycles and tokens by draft source, and
+one draft pass by part against a plain step.
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again,
 nor its wall clock timed again (wall_clock.json).
 """
 import argparse
 import ast
+import dataclasses
 import gzip
 import importlib.util
 import json
@@ -61,6 +65,7 @@ import torch
 
 import dflash2
 from harness import checkpoint, tiny_world
+from harness.lookup import SuffixLookup, by_source
 from harness.memory import use_huge_pages
 from harness.target import decoding_view
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
@@ -77,6 +82,8 @@ TRAIN_FLAGS = "--eval-every 50 --batch-size 8 --seq-len 384 --max-anchors 32"
 UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded through their unary paths (a label
 # option decodes through its walk only)
 LOOKUP_KS = (3, 5, 10)  # transformers' prompt_lookup_num_tokens tried; the best is the baseline
+HYBRID_GATES = ("drafter", 1.5, 2.0, 3.0)  # SuffixLookup gates of the hybrid rows: the drafter's running AL, or the
+# expected AL a lookup draft must pass (each gate a decoder row: each adds a spec_generate's time to the wall clock)
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
@@ -298,10 +305,51 @@ def verify_seconds(target, prompt, widths, repeats=20):
     return {w: median(t) for w, t in times.items()}
 
 
-def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
+@torch.no_grad()
+def draft_parts(drafter, target, prompt, repeats=20):
+    """One drafter cycle's draft half by part, as speculative_decode_step runs it, after the prompt's prefill (its
+    target features in the drafter's cache; no new context a round: each round drafts the first block again), rounds
+    interleaved, median ms: "forward" draft_forward with the view's logits left out (the drafter's pass over [anchor,
+    MASK, ...] with its context cache), "lm_head" the view's logits of the B − 1 slots, "top-K" the walk's candidates
+    (U.topk, a drafter with a selector), "walk" propose (top-K included; the unary argmax without a selector), "draft
+    pass" draft_forward then propose in one call, and "plain step" a one-token target forward after the prompt's
+    cache. -> {"ms": {part: ms}, "parts_over_plain_step": (forward + lm_head + walk) / plain step,
+    "pass_over_plain_step": draft pass / plain step}."""
+    c = drafter.config
+    view = decoding_view(c, target)
+    headless = dataclasses.replace(view, logits=lambda h: h)  # draft_forward's own code, lm_head left out
+    cache, draft_cache = dflash2.target_cache(target, forward_tokens=1), dflash2.DraftCache(c.num_layers)
+    out = target(prompt, cache=cache, use_cache=True, output_hidden_states=True)
+    features, anchor = dflash2.context_features(out.hidden_states, c.target_layer_ids), out.logits[0, -1:].argmax(-1)
+    dflash2.draft_forward(drafter, view, anchor, features, draft_cache)  # the prompt's context into the cache
+    unread = features[:, :0]
+    h, U = dflash2.draft_forward(drafter, view, anchor, unread, draft_cache)
+
+    def plain_step():
+        target(anchor[None], cache=cache, use_cache=True)
+        cache.crop(-1)
+    parts = {"forward": lambda: dflash2.draft_forward(drafter, headless, anchor, unread, draft_cache),
+             "lm_head": lambda: view.logits(h),
+             "top-K": lambda: U.topk(c.selector_top_k, dim=-1),
+             "walk": lambda: drafter.propose(h, U, anchor, W_in=view.W_in),
+             "draft pass": lambda: drafter.propose(*dflash2.draft_forward(drafter, view, anchor, unread, draft_cache),
+                                                   anchor, W_in=view.W_in),
+             "plain step": plain_step}
+    if drafter.candidate_selector is None:
+        del parts["top-K"]
+    ms = {part: 1e3 * median(t) for part, t in round_seconds(parts, repeats, device=prompt.device).items()}
+    return {"ms": ms, "parts_over_plain_step": (ms["forward"] + ms["lm_head"] + ms["walk"]) / ms["plain step"],
+            "pass_over_plain_step": ms["draft pass"] / ms["plain step"]}
+
+
+def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks, hybrid_gates=HYBRID_GATES):
     """What a user can run at T = 0 on a prompt (1, P), each -> (new ids (n,), GenerationStats or None):
     target_generate, transformers' own greedy `generate` and its prompt-lookup decoding at each k (n-grams
-    of the prompt as drafts, no training), and spec_generate with the drafter (if any) verifying each draft length."""
+    of the prompt as drafts, no training), and with a drafter: spec_generate verifying each draft length; the hybrid
+    at each gate, a fresh SuffixLookup(gate=gate) asked first each cycle and the drafter drafting the longest draft
+    length the other cycles; and our lookup alone, SuffixLookup(gate=0, fallback=True), which drafts every cycle, so
+    spec_generate asks the drafter for no draft (a last cycle with one token left still runs its draft pass, n = 0,
+    and cuts every draft: ALGORITHM.md §5)."""
 
     def hf_generate(**extra):
         def run(p):
@@ -314,29 +362,35 @@ def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks)
     runs |= {f"prompt lookup, k = {k}": hf_generate(prompt_lookup_num_tokens=k) for k in lookup_ks}
     if drafter is not None:
         view = decoding_view(drafter.config, target)
-        runs |= {f"spec_generate, {n} drafts": lambda p, n=n: dflash2.spec_generate(
-            drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n)
-            for n in draft_lengths}
+        spec = lambda p, n, lookup=None: dflash2.spec_generate(
+            drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n, lookup=lookup)
+        runs |= {f"spec_generate, {n} drafts": lambda p, n=n: spec(p, n) for n in draft_lengths}
+        runs |= {f"hybrid, gate {g}": lambda p, g=g: spec(p, max(draft_lengths), SuffixLookup(gate=g))
+                 for g in hybrid_gates}
+        runs["our lookup alone"] = lambda p: spec(p, None, SuffixLookup(gate=0, fallback=True))
     return runs
 
 
 def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=None, lookup_ks=LOOKUP_KS,
-               log=print):
+               hybrid_gates=HYBRID_GATES, log=print):
     """Every decoder of `decoders` on the same prompts at T = 0, one warm-up call each (first calls
     allocate and pick kernels), then prompt by prompt, the decoders' order rotating from prompt to
     prompt: each call timed whole (prefill included: transformers' generate reports no split), the
-    outputs checked against target_generate's (spec_generate must equal it: a difference stops the
-    run; transformers' decoders may differ by float rounding of batched forwards: counted). ->
+    outputs checked against target_generate's (ours, spec_generate's rows, must equal it: a difference
+    stops the run; transformers' decoders may differ by float rounding of batched forwards: counted). ->
     tokens/s per decoder, each one's ratio to transformers' generate and to target_generate with
     paired 95% bootstrap intervals over prompts, spec_generate's acceptance counts at each draft
-    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step). drafter None:
-    what a user runs without one."""
+    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step); the hybrids' and
+    the lookup alone's split by draft source (source_split); the best draft length and the fastest hybrid, each
+    over prompt lookup's best k, the hybrid also over the drafter alone at its best draft length and over our
+    lookup alone; draft_parts on the first prompt. drafter None: what a user runs without one."""
     B = drafter and drafter.config.block_size
     draft_lengths = [] if drafter is None else draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
-    runs = decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks)
+    runs = decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks, hybrid_gates)
     for run in runs.values():
         run(prompts[0])
     names, seconds, stats, differ = list(runs), {n: [] for n in runs}, {n: [] for n in runs}, {n: 0 for n in runs}
+    ours = {n for n in names if not n.startswith(("transformers", "prompt lookup"))}  # spec_generate's rows
     for i, p in enumerate(prompts):
         outputs = {}
         for name in names[i % len(names):] + names[:i % len(names)]:
@@ -347,7 +401,7 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         want = outputs["target_generate"]
         for name, ids in outputs.items():
             if not torch.equal(ids.cpu(), want.cpu()):
-                if name.startswith("spec_generate"):
+                if name in ours:
                     raise RuntimeError(f"prompt {i}: {name}'s greedy output differs from target_generate's")
                 differ[name] += 1
     new_tokens = [int(s.new_tokens) for s in stats["target_generate"]]
@@ -365,6 +419,10 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         cycle = sum(s.decode_seconds for s in spec) / cycles
         out["spec"][n] = {**acceptance_counts(spec, n), "cycle_seconds": cycle, "break_even_al": cycle / step}
     out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}))
+    if drafter is not None:
+        mixed = [f"hybrid, gate {g}" for g in hybrid_gates] + ["our lookup alone"]
+        out["hybrid_draft_tokens"], out["sources"] = max(draft_lengths), {n: source_split(stats[n]) for n in mixed}
+        out["draft_parts"] = draft_parts(drafter, target, prompts[0])
     lookup = max(lookup_ks, key=lambda k: out["tokens_per_s"][f"prompt lookup, k = {k}"])
     if drafter is None:
         out["best"] = {"lookup_k": lookup}
@@ -372,22 +430,53 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
             f"{out['vs_generate'][f'prompt lookup, k = {lookup}'][0]:.2f} (tokens/s, {len(prompts)} prompts)")
         return out
     best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
-    out["best"] = {"draft_tokens": best, "lookup_k": lookup, "spec_over_lookup": ratio_ci(
-        rate(f"spec_generate, {best} drafts"), rate(f"prompt lookup, k = {lookup}"))}
+    gate = max(hybrid_gates, key=lambda g: out["tokens_per_s"][f"hybrid, gate {g}"])
+    spec, hybrid, prompt_lookup = (rate(f"spec_generate, {best} drafts"), rate(f"hybrid, gate {gate}"),
+                                   rate(f"prompt lookup, k = {lookup}"))
+    out["best"] = {"draft_tokens": best, "lookup_k": lookup, "spec_over_lookup": ratio_ci(spec, prompt_lookup),
+                   "hybrid_gate": gate, "hybrid_over_lookup": ratio_ci(hybrid, prompt_lookup),
+                   "hybrid_over_drafter": ratio_ci(hybrid, spec),
+                   "hybrid_over_our_lookup": ratio_ci(hybrid, rate("our lookup alone"))}
     log(f"wall clock | spec_generate with {best} drafts / transformers generate "
         f"{out['vs_generate'][f'spec_generate, {best} drafts'][0]:.2f}, / prompt lookup (k = {lookup}) "
-        f"{out['best']['spec_over_lookup'][0]:.2f} (tokens/s, {len(prompts)} prompts)")
+        f"{out['best']['spec_over_lookup'][0]:.2f}; the hybrid at gate {gate} / prompt lookup "
+        f"{out['best']['hybrid_over_lookup'][0]:.2f}, / the drafter alone {out['best']['hybrid_over_drafter'][0]:.2f}, "
+        f"/ our lookup alone {out['best']['hybrid_over_our_lookup'][0]:.2f} (tokens/s, {len(prompts)} prompts)")
     return out
+
+
+def source_split(stats):
+    """A hybrid's (or the lookup alone's) decodes by draft source: harness.lookup.by_source over the prompts'
+    GenerationStats, summed -> {source: {"cycles", "tokens", "al" (tokens over cycles), "cycle_seconds"}} for "lookup"
+    and "drafter". GenerationStats hold no per-cycle times, so cycle_seconds is a least-squares split of the prompts'
+    decode_seconds over their cycle counts, decode_seconds ≈ lookup cycles · s_lookup + drafter cycles · s_drafter
+    (a lookup cycle's seconds include its proposal, a hybrid's drafter cycle's the proposal the gate turned down);
+    None for a source without cycles, both None where the prompts split their cycles too alike to tell them apart."""
+    split = {source: {"cycles": 0, "tokens": 0, "al": None, "cycle_seconds": None} for source in ("lookup", "drafter")}
+    for s in stats:
+        for source, (cycles, tokens) in by_source(s).items():
+            split[source]["cycles"] += cycles
+            split[source]["tokens"] += tokens
+    counts = torch.tensor([[s.sources.count(source) for source in split] for s in stats], dtype=torch.float64)
+    ran = [j for j in range(len(split)) if counts[:, j].any()]
+    if ran and torch.linalg.matrix_rank(counts[:, ran]) == len(ran):
+        seconds = torch.tensor([[s.decode_seconds] for s in stats], dtype=torch.float64)
+        fit = torch.linalg.lstsq(counts[:, ran], seconds).solution[:, 0].tolist()
+        for j, t in zip(ran, fit):
+            split[list(split)[j]]["cycle_seconds"] = t
+    for c in split.values():
+        c["al"] = c["tokens"] / c["cycles"] if c["cycles"] else None
+    return split
 
 
 def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
     """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
-    kept in its run dir (wall_clock.json, with the flags that made it and the drafter's own, from its
-    decoded.json): a bench started again reads it instead of timing again, unless the drafter was
-    trained again since."""
+    kept in its run dir (wall_clock.json, with the flags that made it, the hybrid gates, and the drafter's
+    own, from its decoded.json): a bench started again reads it instead of timing again, unless the drafter
+    was trained again since (or the file is one of a wall clock without these hybrid rows)."""
     out = run_dir(args.out_dir, name, 0)
     key = {"drafter": saved_key(out), "wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens,
-           "sets": list(prompt_sets)}
+           "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES)}
     clock = saved_run(out, key, "wall_clock.json")
     if clock is not None:
         log(f"wall clock of {name}: measured before with these flags, read from {out}/wall_clock.json")
@@ -431,7 +520,37 @@ def wall_clock_markdown(title, w):
     lines += ["", f"A plain step {w['plain_step_seconds'] * 1e3:.1f} ms; a target forward after the cache of "
               + " / ".join(f"{k}" for k in v) + " tokens " + " / ".join(f"{t * 1e3:.1f}" for t in v.values())
               + " ms (medians).", ""]
-    return "\n".join(lines)
+    return "\n".join(lines + sources_markdown(w))
+
+
+def sources_markdown(w):
+    """The hybrid against its parts, its rows' split by draft source, and draft_parts' table."""
+    b, d = w["best"], w["draft_parts"]
+    share = lambda part, whole: f"{part} ({part / whole:.0%})" if whole else f"{part}"
+    number = lambda x, scale=1.0: "" if x is None else f"{x * scale:.2f}"
+    lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), over "
+             f"prompt lookup's best k ({b['lookup_k']}): **{ci_text(*b['hybrid_over_lookup'])}**; over the drafter "
+             f"alone at its best draft length ({b['draft_tokens']}): **{ci_text(*b['hybrid_over_drafter'])}**; over "
+             f"our lookup alone: **{ci_text(*b['hybrid_over_our_lookup'])}**.", "",
+             "By draft source, all prompts together (a last cycle with one token left is the drafter's, n = 0: the "
+             "draft pass runs and every draft is cut; cycle ms: a least-squares split of each prompt's decode seconds "
+             "over its lookup and drafter cycles, GenerationStats hold no per-cycle times):", "",
+             "| decoder | lookup cycles | drafter cycles | tokens from the lookup | tokens from the drafter | "
+             "lookup AL | drafter AL on the cycles left | lookup cycle ms | drafter cycle ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, split in w["sources"].items():
+        lookup, drafter = split["lookup"], split["drafter"]
+        cycles, tokens = lookup["cycles"] + drafter["cycles"], lookup["tokens"] + drafter["tokens"]
+        lines.append(f"| {name} | {share(lookup['cycles'], cycles)} | {share(drafter['cycles'], cycles)} | "
+                     f"{share(lookup['tokens'], tokens)} | {share(drafter['tokens'], tokens)} | "
+                     f"{number(lookup['al'])} | {number(drafter['al'])} | {number(lookup['cycle_seconds'], 1e3)} | "
+                     f"{number(drafter['cycle_seconds'], 1e3)} |")
+    lines += ["", "One draft pass by part on the first prompt's context (medians of interleaved rounds; the walk's "
+              "time includes its top-K):", "", "| part | ms | / plain step |", "|---|---|---|"]
+    lines += [f"| {part} | {ms:.2f} | {ms / d['ms']['plain step']:.3f} |" for part, ms in d["ms"].items()]
+    lines += ["", f"forward + lm_head + walk: {d['parts_over_plain_step']:.3f} plain steps; the draft pass in one "
+              f"call: {d['pass_over_plain_step']:.3f}.", ""]
+    return lines
 
 
 def parse_args(argv=None):

@@ -32,8 +32,9 @@ class SuffixLookup:
     """One request's lookup draft source. lookup(tokens, stats) -> the draft, or [] where the gate says the drafter
     drafts. gate: a number, the expected acceptance length a draft must pass, or "drafter": the mean acceptance
     length of the drafter's cycles so far (1 before its first). fallback: a one-token guess where no suffix matched
-    (module docstring); with gate 0 the lookup then drafts every cycle and spec_generate never asks the drafter: the
-    lookup alone as a decoder, through the same verification code as the hybrid (bench.real's "our lookup alone").
+    (module docstring); with gate 0 the lookup then drafts every cycle it is asked (all but a last one with one token
+    left, n = 0) and spec_generate asks the drafter for no draft: the lookup alone as a decoder, through the same
+    verification code as the hybrid (bench.real's "our lookup alone").
     log: (score, threshold, taken) of every call, score 0 where nothing was proposed. The index (n-gram of min_match
     tokens -> the positions it ends at) reads each token once; a list that does not extend the tokens already read
     starts it over."""

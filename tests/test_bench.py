@@ -2,9 +2,12 @@
 weights, the draft step's weight floor against a brute-force count of the parameter elements
 it touches, sampling settings and bad flags, and smoke runs of `python -m bench.ablation
 --quick`, `python -m bench.cost --quick` and `python -m bench.gpu_check --cpu-smoke`; the real
-world's training prompts and its refusals (its packages are optional: not needed here); bench.peer_step's refusals,
+world's training prompts and its refusals (its packages are optional: not needed here); bench.real's wall clock
+on recorded runs and tiny models, its hybrid rows (the suffix lookup ahead of the drafter, the lookup alone), their
+split by draft source and the draft pass by part; bench.peer_step's refusals,
 its report of recorded rounds, and what its timed cases run and count, on stand-ins (the peer package is never
 imported)."""
+import collections
 import dataclasses
 import itertools
 import json
@@ -23,8 +26,8 @@ from torch.utils._pytree import tree_leaves
 import dflash2
 from harness import tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, peer_step, real
-from conftest import tiny_qwen3
-from tests.conftest import small_world
+from conftest import record_forward, tiny_qwen3
+from tests.conftest import small_world, tiny_drafter
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -789,12 +792,18 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
     drafter = tiny_drafter(target, dtype=torch.float32, block_size=8)
     prompts = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
     real_spec, asked = dflash2.spec_generate, []
-    monkeypatch.setattr(dflash2, "spec_generate", lambda *a, **k: asked.append(k["draft_tokens"]) or real_spec(*a, **k))
+
+    def spec_generate(*a, **k):  # the draft lengths of the drafter alone (the hybrids are test_the_hybrid_rows_...'s)
+        if k["lookup"] is None:
+            asked.append(k["draft_tokens"])
+        return real_spec(*a, **k)
+    monkeypatch.setattr(dflash2, "spec_generate", spec_generate)
     w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, lookup_ks=(2, 4), log=lambda *a: None)
     monkeypatch.setattr(dflash2, "spec_generate", real_spec)
-    assert sorted(asked) == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate: {asked}"
+    assert sorted(asked) == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate alone: {asked}"
     names = ["target_generate", "transformers generate", "prompt lookup, k = 2", "prompt lookup, k = 4",
-             "spec_generate, 3 drafts", "spec_generate, 5 drafts", "spec_generate, 7 drafts"]
+             "spec_generate, 3 drafts", "spec_generate, 5 drafts", "spec_generate, 7 drafts",
+             *(f"hybrid, gate {g}" for g in real.HYBRID_GATES), "our lookup alone"]
     assert sorted(w["tokens_per_s"]) == sorted(names) and w["prompts"] == 3, w["tokens_per_s"]
     assert all(v == 0 for k, v in w["outputs_differ"].items()), w["outputs_differ"]
     assert set(w["spec"]) == {3, 5, 7}
@@ -1212,13 +1221,16 @@ def test_train_steps_times_a_checkouts_own_optimizer_in_a_fresh_process_and_stop
 # bench.real's wall clock on recorded runs (no model), its decoders, request lists and flags
 
 RECORDED_TOKENS = (12, 7, 9, 11)  # the new tokens of the answer to each recorded prompt
+RECORDED_CYCLE = {"lookup": 0.03, "drafter": 0.05}  # seconds of a recorded hybrid's cycle by its source
 
 
 def recorded_call(name, i, rates=None, outputs=None):
     """What decoder `name` did on recorded prompt i: wrote RECORDED_TOKENS[i] new tokens, ids outputs[name][i]
     (default: the same for every decoder), at rates[name] tokens/s (a number or one per prompt; 10 when unnamed),
     its prefill taking one token's time; target_generate ran one forward a token, spec_generate at n drafts
-    committed n + 1 tokens a cycle. -> (seconds, ids, GenerationStats or None)."""
+    committed n + 1 tokens a cycle; a hybrid's cycles took turns, the lookup's committing 4 tokens and the drafter's
+    2, the lookup alone's committed 2 each, their decode seconds RECORDED_CYCLE's by source.
+    -> (seconds, ids, GenerationStats or None)."""
     tokens, rate = RECORDED_TOKENS[i], (rates or {}).get(name, 10.0)
     seconds = tokens / (rate[i] if isinstance(rate, (list, tuple)) else rate)
     ids = (outputs or {}).get(name, [list(range(t)) for t in RECORDED_TOKENS])[i]
@@ -1232,6 +1244,16 @@ def recorded_call(name, i, rates=None, outputs=None):
         lengths = [n + 1] * full + [rest] * bool(rest)
         return seconds, ids, dflash2.GenerationStats(lengths, [sum(a > k + 1 for a in lengths) for k in range(n)],
                                                      len(lengths) + 1, tokens, decode_seconds)
+    if name.startswith("hybrid") or name == "our lookup alone":
+        turns = itertools.cycle([("lookup", 4), ("drafter", 2)] if name.startswith("hybrid") else [("lookup", 2)])
+        lengths, sources, left = [], [], tokens - 1
+        while left:
+            source, length = next(turns)
+            lengths.append(min(length, left))
+            sources.append(source)
+            left -= lengths[-1]
+        return seconds, ids, dflash2.GenerationStats(lengths, [], len(lengths) + 1, tokens,
+                                                     sum(RECORDED_CYCLE[s] for s in sources), sources)
     return seconds, ids, None
 
 
@@ -1241,7 +1263,7 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
     it). -> (wall_clock's results, the decoders' names in the order they ran, the warm-up calls first)."""
     clock, order = [0.0], []
 
-    def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks):
+    def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks, hybrid_gates):
         def replay(name, draft_tokens=None):
             def call(prompt):
                 if draft_tokens is not None:
@@ -1253,10 +1275,15 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
                 return torch.tensor(ids), stats
             return call
         names = ["target_generate", "transformers generate", *(f"prompt lookup, k = {k}" for k in lookup_ks)]
+        mixed = [f"hybrid, gate {g}" for g in hybrid_gates] + ["our lookup alone"]
         return {name: replay(name) for name in names} | {
-            f"spec_generate, {n} drafts": replay(f"spec_generate, {n} drafts", n) for n in draft_lengths}
+            f"spec_generate, {n} drafts": replay(f"spec_generate, {n} drafts", n) for n in draft_lengths} | {
+            name: replay(name) for name in mixed}
     monkeypatch.setattr(real, "decoders", decoders)
     monkeypatch.setattr(real, "verify_seconds", lambda target, prompt, widths: {w: 0.01 * w for w in widths})
+    monkeypatch.setattr(real, "draft_parts", lambda drafter, target, prompt: {
+        "ms": {"forward": 1.0, "lm_head": 0.5, "top-K": 0.1, "walk": 0.4, "draft pass": 2.0, "plain step": 8.0},
+        "parts_over_plain_step": 0.2375, "pass_over_plain_step": 0.25})
     monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=block_size))
     prompts = [torch.tensor([[i]]) for i in range(len(RECORDED_TOKENS))]
@@ -1467,3 +1494,197 @@ def test_verification_costs_time_every_width_of_every_target():
     costs = real.verification_costs(targets, 1, torch.Generator().manual_seed(0))
     assert {d: sorted(c) for d, c in costs.items()} == {d: list(range(1, real.DECODE_BLOCK + 1)) for d in targets} \
         and all(ms > 0 for c in costs.values() for ms in c.values()), costs
+
+
+# -----------------------------------------------------------------------------
+# bench.real's hybrid: the suffix lookup ahead of the drafter at each gate and the lookup alone, beside the drafter;
+# their split by draft source, the fastest gate, the draft pass by part, and the saved wall clock's key
+
+
+def tiny_pair():
+    """A tiny float32 target (V = 40) and a drafter for it with a selector, B = 8 (draft lengths 3, 5, 7)."""
+    target = tiny_qwen3(vocab_size=40, dtype=torch.float32)
+    return target, tiny_drafter(target, dtype=torch.float32, block_size=8)
+
+
+TINY_PROMPTS = [torch.tensor([[3, 5, 7, 9]]), torch.tensor([[11, 2, 4]]), torch.tensor([[6, 6, 1]])]
+
+
+def by_source_loop(stats):
+    """{source: (cycles, tokens, AL or None)} of "lookup" and "drafter", a cycle at a time over the GenerationStats."""
+    counts = {"lookup": [0, 0], "drafter": [0, 0]}
+    for s in stats:
+        for source, length in zip(s.sources, s.acceptance_lengths, strict=True):
+            counts[source][0] += 1
+            counts[source][1] += length
+    return {source: (c, t, t / c if c else None) for source, (c, t) in counts.items()}
+
+
+def test_the_hybrid_rows_and_the_lookup_alone_run_beside_the_drafter_and_equal_target_generate(monkeypatch):
+    """One hybrid row a gate of HYBRID_GATES, each call a fresh SuffixLookup(gate) with the drafter at the longest
+    draft length (7), and our lookup alone, SuffixLookup(gate=0, fallback=True); every output equals
+    target_generate's, and each row's split by source equals a loop over its timed calls' GenerationStats (the
+    warm-up call left out), the hybrids drafting from both sources. A hybrid or the lookup alone writing other ids
+    stops the run, naming the row and the prompt."""
+    target, drafter = tiny_pair()
+    real_spec, calls = dflash2.spec_generate, []
+
+    def spec_generate(*a, **k):
+        out = real_spec(*a, **k)
+        calls.append((k["lookup"], k["draft_tokens"], out[1]))
+        return out
+    monkeypatch.setattr(dflash2, "spec_generate", spec_generate)
+    w = real.wall_clock(drafter, target, TINY_PROMPTS, 12, stop_id=39, lookup_ks=(2,), log=lambda *a: None)
+    rows = {f"hybrid, gate {g}": (g, False, 7) for g in real.HYBRID_GATES} | {"our lookup alone": (0, True, None)}
+    assert {n: w["outputs_differ"].get(n) for n in rows} == dict.fromkeys(rows, 0), w["outputs_differ"]
+    assert w["hybrid_draft_tokens"] == 7 and set(w["sources"]) == set(rows), (w["hybrid_draft_tokens"], w["sources"])
+    for name, (gate, fallback, n) in rows.items():
+        stats = [s for lookup, k, s in calls if lookup and (lookup.gate, lookup.fallback, k) == (gate, fallback, n)]
+        assert len(stats) == 1 + len(TINY_PROMPTS), f"{name}: {len(stats)} calls, want a warm-up and one a prompt"
+        got = {source: (c["cycles"], c["tokens"], c["al"]) for source, c in w["sources"][name].items()}
+        want = by_source_loop(stats[1:])
+        assert got == want, f"{name}: split {got}, a loop over its calls {want}"
+    assert any(w["sources"][n]["lookup"]["cycles"] and w["sources"][n]["drafter"]["cycles"] for n in rows
+               if n.startswith("hybrid")), f"no hybrid drafted from both sources: {w['sources']}"
+    for name, lookup_of in (("hybrid, gate 1.5", lambda k: k["lookup"] and k["lookup"].gate == 1.5),
+                            ("our lookup alone", lambda k: k["lookup"] and k["lookup"].fallback)):
+        monkeypatch.setattr(dflash2, "spec_generate", lambda *a, **k: (
+            (lambda out: (out[0] + bool(lookup_of(k)), out[1]))(real_spec(*a, **k))))
+        with pytest.raises(RuntimeError, match=f"prompt 0: {name}'s greedy output differs from target_generate's"):
+            real.wall_clock(drafter, target, TINY_PROMPTS, 12, stop_id=39, draft_lengths=[3], lookup_ks=(2,),
+                            hybrid_gates=(1.5,), log=lambda *a: None)
+
+
+def test_our_lookup_alone_never_asks_the_drafter_for_a_draft(monkeypatch):
+    """draft_forward made to raise while a token is left to draft: our lookup alone still decodes target_generate's
+    tokens, every cycle the lookup's but a last one with one token left (n = 0: the draft pass runs and its drafts
+    are all cut, ALGORITHM.md §5), the only one that reaches the drafter; an answer its stop token ends never does.
+    The hybrid, under the same patch, asks the drafter (the patch is live)."""
+    target, drafter = tiny_pair()
+    real_forward, passes, state = dflash2.draft_forward, [], {}
+
+    def draft_forward(drafter, view, anchor, new_f, draft_cache):
+        emitted = draft_cache.length + new_f.shape[1] - state["P"] + 1  # the anchor sits at P + emitted − 1
+        left = state["max_new"] - emitted - 1
+        if left:
+            raise AssertionError(f"the drafter was asked for a draft with {left} tokens left")
+        passes.append(emitted)
+        return real_forward(drafter, view, anchor, new_f, draft_cache)
+    monkeypatch.setattr(dflash2, "draft_forward", draft_forward)
+    for p in TINY_PROMPTS:
+        greedy = dflash2.target_generate(target, p, 30)[0].tolist()
+        stop = next(t for t in greedy[3:] if t not in greedy[:3])  # its first occurrence ends the answer early
+        for max_new, stop_id in ((12, 39), (30, stop)):
+            state.update(P=p.shape[1], max_new=max_new)
+            runs = real.decoders(drafter, target, max_new, stop_id, [7], (2,), (1.5,))
+            before = len(passes)
+            out, stats = runs["our lookup alone"](p)
+            want = dflash2.target_generate(target, p, max_new, stop_token_ids=[stop_id])[0]
+            assert torch.equal(out, want), f"prompt {p.tolist()}: {out.tolist()} != target_generate's {want.tolist()}"
+            drafted = len(passes) - before
+            assert stats.sources == ["lookup"] * (len(stats.sources) - drafted) + ["drafter"] * drafted, stats.sources
+            assert drafted == 0 or (stop_id == 39 and stats.acceptance_lengths[-1] == 1), (
+                f"prompt {p.tolist()}, stop {stop_id}: {drafted} draft passes, acceptance {stats.acceptance_lengths}")
+    with pytest.raises(AssertionError, match="the drafter was asked for a draft"):
+        runs["hybrid, gate 1.5"](TINY_PROMPTS[0])
+
+
+def test_the_best_gate_is_the_fastest_hybrid_row_and_is_compared_with_each_of_its_parts(monkeypatch):
+    """Hybrids at 20, 25, 50 and 30 tokens/s (gate 2.0 the fastest: neither the first gate nor the last), the
+    drafter alone fastest at 5 drafts (40), prompt lookup at k = 2 (25), our lookup alone at 10: the best gate is 2.0,
+    over prompt lookup 50 / 25, over the drafter alone 50 / 40, over our lookup alone 50 / 10; the markdown lists
+    every new row in the decoders' table and in the table by source, and the draft pass by part."""
+    rates = {"hybrid, gate drafter": 20.0, "hybrid, gate 1.5": 25.0, "hybrid, gate 2.0": 50.0, "hybrid, gate 3.0": 30.0,
+             "spec_generate, 5 drafts": 40.0, "prompt lookup, k = 2": 25.0, "our lookup alone": 10.0}
+    w, _ = recorded_wall_clock(monkeypatch, rates)
+    best = w["best"]
+    assert best["hybrid_gate"] == 2.0, f"best gate {best['hybrid_gate']}, want 2.0 (50 tokens/s)"
+    for key, want in (("hybrid_over_lookup", 50 / 25), ("hybrid_over_drafter", 50 / 40),
+                      ("hybrid_over_our_lookup", 50 / 10)):
+        assert best[key] == pytest.approx((want,) * 3), f"{key} {best[key]}, want {want}"
+    text = real.wall_clock_markdown("recorded", w)
+    for row in [f"hybrid, gate {g}" for g in real.HYBRID_GATES] + ["our lookup alone"]:
+        assert text.count(f"| {row} | ") == 2, f"{row}: {text.count(f'| {row} | ')} markdown rows, want 2:\n{text}"
+    assert "The fastest hybrid, gate 2.0" in text and "| draft pass | 2.00 | 0.250 |" in text, text
+
+
+def test_the_split_by_source_fits_each_sources_cycle_seconds_by_least_squares(monkeypatch):
+    """Recorded hybrids and a lookup alone whose cycles took RECORDED_CYCLE's seconds by source: each row's counts
+    are a loop over its recorded GenerationStats and its cycle seconds RECORDED_CYCLE's (an exact least-squares
+    fit; None for a source without cycles). One prompt cannot tell two sources' cycles apart: both None."""
+    w, _ = recorded_wall_clock(monkeypatch)
+    for name, split in w["sources"].items():
+        stats = [recorded_call(name, i)[2] for i in range(len(RECORDED_TOKENS))]
+        want = by_source_loop(stats)
+        for source, (cycles, tokens, al) in want.items():
+            got = split[source]
+            assert (got["cycles"], got["tokens"], got["al"]) == (cycles, tokens, al), f"{name}, {source}: {got}"
+            assert (got["cycle_seconds"] is None) if not cycles else got["cycle_seconds"] == pytest.approx(
+                RECORDED_CYCLE[source]), f"{name}, {source}: cycle seconds {got['cycle_seconds']}"
+    one = real.source_split([recorded_call("hybrid, gate 1.5", 0)[2]])
+    assert one["lookup"]["cycle_seconds"] is one["drafter"]["cycle_seconds"] is None, one
+
+
+def test_the_draft_pass_by_part_times_every_part_with_a_cycles_own_calls(monkeypatch):
+    """draft_parts over 3 rounds and a warm-up: every part timed; each round calls what a cycle calls: draft_forward
+    twice (the forward, its view's logits left out, and the draft pass) besides the two that fill the cache and make
+    h and U, the view's logits twice (lm_head, and inside the draft pass), propose twice (the walk, the draft pass),
+    U.topk at the selector's K three times (top-K, and inside each propose), the target once, on one token (the
+    plain step)."""
+    from harness.target import decoding_view
+    target, drafter = tiny_pair()
+    K, counts = drafter.config.selector_top_k, collections.Counter()
+
+    def counted(name, fn):
+        def call(*a, **k):
+            counts[name] += 1
+            return fn(*a, **k)
+        return call
+    monkeypatch.setattr(real, "decoding_view", lambda c, t: dataclasses.replace(
+        decoding_view(c, t), logits=counted("logits", decoding_view(c, t).logits)))
+    monkeypatch.setattr(dflash2, "draft_forward", counted("draft_forward", dflash2.draft_forward))
+    monkeypatch.setattr(drafter, "propose", counted("propose", drafter.propose))
+    topk = torch.Tensor.topk
+    monkeypatch.setattr(torch.Tensor, "topk", lambda self, k, *a, **kw: counts.update(["top-K"] * (k == K))
+                        or topk(self, k, *a, **kw))
+    steps = record_forward(monkeypatch, target)
+    d = real.draft_parts(drafter, target, TINY_PROMPTS[0], repeats=3)
+    monkeypatch.undo()
+    parts = {"forward", "lm_head", "top-K", "walk", "draft pass", "plain step"}
+    assert set(d["ms"]) == parts and all(ms > 0 for ms in d["ms"].values()), d["ms"]
+    rounds = 4
+    want = {"draft_forward": 2 + 2 * rounds, "logits": 2 + 2 * rounds, "propose": 2 * rounds, "top-K": 3 * rounds}
+    assert dict(counts) == want, f"calls {dict(counts)}, want {want}"
+    widths = [args[0].shape[1] for args, _, _ in steps]
+    assert widths == [TINY_PROMPTS[0].shape[1]] + [1] * rounds, f"target forwards of {widths} tokens"
+    assert d["parts_over_plain_step"] == pytest.approx(
+        (d["ms"]["forward"] + d["ms"]["lm_head"] + d["ms"]["walk"]) / d["ms"]["plain step"]), d
+
+
+def test_a_saved_wall_clock_without_the_hybrid_rows_is_timed_again(tmp_path, monkeypatch):
+    """A wall_clock.json saved before the hybrid rows (its key names no hybrid gates) is not read as the new wall
+    clock: every set is timed again; started again after that, the bench reads its own; with other gates, it times
+    again."""
+    timed = []
+
+    def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
+        timed.append(list(prompts))
+        return {"prompts": len(prompts), "sources": {}}
+
+    monkeypatch.setattr(real, "wall_clock", wall_clock)
+    monkeypatch.setattr(real.checkpoint, "load_export", lambda path: torch.nn.Identity())
+    sets = {"held-out modules": [[1], [2], [3]], "HumanEval": [[4], [5], [6]]}
+    args = SimpleNamespace(out_dir=str(tmp_path), wall_prompts=2, eval_tokens=8)
+    out = ablation.run_dir(args.out_dir, "DFlash2", 0)
+    os.makedirs(out)
+    ablation.save_run(out, {"flags": ["--steps", "3"]}, {"spec": {}})
+    old_key = {"drafter": {"flags": ["--steps", "3"]}, "wall_prompts": 2, "eval_tokens": 8, "sets": list(sets)}
+    old = {where: {"prompts": 2} for where in sets}
+    ablation.save_run(out, old_key, old, "wall_clock.json")
+    clock = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert timed == [[[1], [2]], [[4], [5]]] and clock != old, f"with an old wall clock saved, it timed {timed}"
+    real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert len(timed) == 2, f"started again with the same flags, it timed {timed[2:]} again"
+    monkeypatch.setattr(real, "HYBRID_GATES", ("drafter", 2.5))
+    real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
+    assert len(timed) == 4, f"with other hybrid gates, it timed {timed[2:]}"
