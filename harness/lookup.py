@@ -9,9 +9,10 @@ The proposal (suffix decoding's, over one request): with x the L tokens so far, 
 x[L−m:] with min_match <= m <= max_match that also ends earlier, at e < L (an occurrence). Its continuation reads
 y = x + the draft so far from e on: it may run into the draft, as an LZ77 copy does, so a periodic tail is continued
 for all of max_tokens. The draft is built greedily: at step t, among the occurrences whose continuation agrees with
-the draft so far, take the most frequent next token (ties: the latest occurrence's), f_t its share of them, and
-keep the occurrences that took it. The score is the draft's expected acceptance length, bonus included, if the
-target's next tokens followed those empirical frequencies: 1 + Σ_t Π_{u<=t} f_u.
+the draft so far, take the most frequent next token (ties: the latest occurrence's), c_t of the n_t, and keep the
+occurrences that took it. The score is the draft's expected acceptance length, bonus included, if the target's next
+token agreed with probability f_t = (c_t + 1) / (n_t + 2) (Laplace's rule of succession: one occurrence is weak
+evidence, and raw shares would score every single match a full draft): 1 + Σ_t Π_{u<=t} f_u.
 
 With fallback, where no suffix occurred earlier, the proposal is one token: the one that most often followed the last
 token earlier (ties: the latest occurrence's), f its share of them, score 1 + f; or, where the last token never
@@ -83,7 +84,7 @@ class SuffixLookup:
             for p in occurrences:
                 counts[y[p]] = counts.get(y[p], 0) + 1
             token = y[max(reversed(occurrences), key=lambda p: counts[y[p]])]  # the most frequent; ties: the latest's
-            reach *= counts[token] / len(occurrences)
+            reach *= (counts[token] + 1) / (len(occurrences) + 2)
             score += reach
             occurrences = [p + 1 for p in occurrences if y[p] == token]
             y.append(token)

@@ -32,7 +32,7 @@ def brute_force_proposal(x, min_match, max_match, max_tokens):
         nexts = [y[e + t] for e in agree]
         best = max(nexts.count(token) for token in nexts)
         token = [token for token in nexts if nexts.count(token) == best][-1]  # ties: the latest occurrence's
-        reach *= Fraction(best, len(nexts))
+        reach *= Fraction(best + 1, len(nexts) + 2)  # the rule of succession
         score += reach
         agree = [e for e in agree if y[e + t] == token]
         y.append(token)
