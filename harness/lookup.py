@@ -15,9 +15,18 @@ token agreed with probability f_t = (c_t + 1) / (n_t + 2) (Laplace's rule of suc
 evidence, and raw shares would score every single match a full draft): 1 + Σ_t Π_{u<=t} f_u.
 
 With fallback, where no suffix occurred earlier, the proposal is one token: the one that most often followed the last
-token earlier (ties: the latest occurrence's), f its share of them, score 1 + f; or, where the last token never
+token earlier (ties: the latest occurrence's), c of the n, score 1 + (c + 1) / (n + 2); or, where the last token never
 occurred before, the last token itself, score 1 (the bonus alone).
 """
+
+
+def most_frequent(tokens):
+    """The most frequent of tokens (ties: the latest) -> (token, its count)."""
+    counts = {}
+    for token in tokens:
+        counts[token] = counts.get(token, 0) + 1
+    token = max(reversed(tokens), key=counts.get)
+    return token, counts[token]
 
 
 def by_source(stats):
@@ -80,11 +89,8 @@ class SuffixLookup:
         occurrences = [e for e, m in zip(candidates, lengths) if m == longest]  # in order: the latest last
         y, reach, score = list(x), 1.0, 1.0  # y: the tokens, then the draft so far
         while len(y) - L < self.max_tokens:
-            counts = {}
-            for p in occurrences:
-                counts[y[p]] = counts.get(y[p], 0) + 1
-            token = y[max(reversed(occurrences), key=lambda p: counts[y[p]])]  # the most frequent; ties: the latest's
-            reach *= (counts[token] + 1) / (len(occurrences) + 2)
+            token, count = most_frequent([y[p] for p in occurrences])
+            reach *= (count + 1) / (len(occurrences) + 2)
             score += reach
             occurrences = [p + 1 for p in occurrences if y[p] == token]
             y.append(token)
@@ -96,11 +102,8 @@ class SuffixLookup:
         follows = [x[i + 1] for i in range(len(x) - 1) if x[i] == x[-1]]  # a scan: the index holds min_match-grams
         if not follows:
             return x[-1:], 1.0
-        counts = {}
-        for token in follows:
-            counts[token] = counts.get(token, 0) + 1
-        token = max(reversed(follows), key=counts.get)  # the most frequent; ties: the latest's
-        return [token], 1.0 + counts[token] / len(follows)
+        token, count = most_frequent(follows)
+        return [token], 1.0 + (count + 1) / (len(follows) + 2)
 
     def __call__(self, tokens, stats):
         draft, score = self.propose(tokens)

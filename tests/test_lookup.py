@@ -74,13 +74,13 @@ def test_proposals_equal_a_brute_force_search(min_match, max_match, max_tokens):
 def brute_force_guess(x):
     """fallback's guess by enumeration: for every token of the vocabulary, the earlier positions i < len(x) − 1
     holding the last token and followed by it; the token with the most (ties: the one whose latest such i is
-    latest), score 1 + its count over all of them; none anywhere: the last token, score 1."""
+    latest), score 1 + (its count + 1) / (all of them + 2); none anywhere: the last token, score 1."""
     after = {t: [i for i in range(len(x) - 1) if x[i] == x[-1] and x[i + 1] == t] for t in set(x)}
     total = sum(map(len, after.values()))
     if not total:
         return [x[-1]], Fraction(1)
     token = max((t for t in after if after[t]), key=lambda t: (len(after[t]), max(after[t])))
-    return [token], 1 + Fraction(len(after[token]), total)
+    return [token], 1 + Fraction(len(after[token]) + 1, total + 2)
 
 
 @pytest.mark.parametrize("min_match", [1, 2, 3])
