@@ -340,15 +340,15 @@ def test_the_ablations_write_up_metrics_are_read_at_the_write_up_setting(tmp_pat
     assert got == want, f"acceptance metrics read at (T, top_p, top_k) {got}, want {want}"
 
 
-def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypatch):
-    """bench.real keeps the drafter's wall clock in its run dir: started again with the same flags it times nothing
-    and reports what the first start timed; with more prompts, more tokens a prompt (--eval-tokens), or once the
-    drafter is trained again with other flags (its decoded.json's key), it times every set again."""
+def saved_wall_clock_bench(tmp_path, monkeypatch, timed_result):
+    """drafter_wall_clock of a DFlash2 run dir trained with --steps 3, 2 wall prompts of 8 tokens, its wall_clock
+    recording the prompts of each call and returning timed_result(calls so far). -> (timed calls, args, sets, run
+    dir)."""
     timed = []
 
     def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
         timed.append(list(prompts))
-        return {"prompts": len(prompts), "tokens_per_s": {"target_generate": 10.0 + len(timed)}, "spec": {3: {}}}
+        return timed_result(len(timed), len(prompts))
 
     monkeypatch.setattr(real, "wall_clock", wall_clock)
     monkeypatch.setattr(real.checkpoint, "load_export", lambda path: torch.nn.Identity())
@@ -357,6 +357,15 @@ def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypat
     out = ablation.run_dir(args.out_dir, "DFlash2", 0)
     os.makedirs(out)
     ablation.save_run(out, {"flags": ["--steps", "3"]}, {"spec": {}})
+    return timed, args, sets, out
+
+
+def test_a_bench_started_again_reads_the_drafters_wall_clock(tmp_path, monkeypatch):
+    """bench.real keeps the drafter's wall clock in its run dir: started again with the same flags it times nothing
+    and reports what the first start timed; with more prompts, more tokens a prompt (--eval-tokens), or once the
+    drafter is trained again with other flags (its decoded.json's key), it times every set again."""
+    timed, args, sets, out = saved_wall_clock_bench(tmp_path, monkeypatch, lambda calls, prompts: {
+        "prompts": prompts, "tokens_per_s": {"target_generate": 10.0 + calls}, "spec": {3: {}}})
     first = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
     assert timed == [[[1], [2]], [[4], [5]]], f"the first start timed {timed}"
     again = real.drafter_wall_clock(args, "DFlash2", None, sets, 0, log=lambda line: None)
@@ -1665,19 +1674,8 @@ def test_a_saved_wall_clock_without_the_hybrid_rows_is_timed_again(tmp_path, mon
     """A wall_clock.json saved before the hybrid rows (its key names no hybrid gates) is not read as the new wall
     clock: every set is timed again; started again after that, the bench reads its own; with other gates, it times
     again."""
-    timed = []
-
-    def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, log=print):
-        timed.append(list(prompts))
-        return {"prompts": len(prompts), "sources": {}}
-
-    monkeypatch.setattr(real, "wall_clock", wall_clock)
-    monkeypatch.setattr(real.checkpoint, "load_export", lambda path: torch.nn.Identity())
-    sets = {"held-out modules": [[1], [2], [3]], "HumanEval": [[4], [5], [6]]}
-    args = SimpleNamespace(out_dir=str(tmp_path), wall_prompts=2, eval_tokens=8)
-    out = ablation.run_dir(args.out_dir, "DFlash2", 0)
-    os.makedirs(out)
-    ablation.save_run(out, {"flags": ["--steps", "3"]}, {"spec": {}})
+    timed, args, sets, out = saved_wall_clock_bench(tmp_path, monkeypatch, lambda calls, prompts: {
+        "prompts": prompts, "sources": {}})
     old_key = {"drafter": {"flags": ["--steps", "3"]}, "wall_prompts": 2, "eval_tokens": 8, "sets": list(sets)}
     old = {where: {"prompts": 2} for where in sets}
     ablation.save_run(out, old_key, old, "wall_clock.json")
