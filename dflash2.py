@@ -473,7 +473,7 @@ def slot_sums(view, selector, cfg, h, g, prev, w, topk_fn=torch.topk):
     """Σ over n slots of w·(their §6 terms): h (n, H) the drafter's output, g (n, H) the target's last hidden state
     at t − 1, prev (n,) the data token there, w (n,) the slot weights.
         unary     kl: ℓ = Σ_v p_v·(log p_v − log q_v),  p = softmax(z), q = softmax(U);   ce: ℓ = −log q_y,  y = argmax z
-        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = the K largest of U,  π = one-hot(y) ("argmax") or
+        selector  −Σ_{c∈C} π_c·log softmax_K(E(prev, C))_c,  C = U's K largest,  π = one-hot(y) ("argmax") or
                   the target's law on C ("soft": p, or sampling_probs(z, *soft_labels_at))
     topk_fn finds C: torch.topk, or a cheaper function with its values (train.py passes harness.fast_loss.top_k).
     -> {unary: Σ w·ℓ, selector: Σ w·CE, selector_weight: Σ w·Σ_{c∈C} π_c} (no selector: unary only)."""
@@ -628,9 +628,9 @@ def draft_forward(drafter, view, anchor, new_f, draft_cache):
 def speculative_decode_step(drafter, view, target, cache, draft_cache, anchor, new_f, n, temperature=0.0, top_p=1.0,
                             top_k=0, generator=None, draft=None):
     """One draft-and-verify cycle (§5): the anchor (1,) at a is the last emitted token, the target's cache holds
-    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens (or take draft (n,) long from elsewhere: no draft
-    pass, q a point mass on each), verify them in one target pass (greedy or sampled), keep the accepted prefix and a
-    bonus. -> (the accepted drafts then the bonus, next new_f)."""
+    0..a−1, the drafter's 0..a−1 less new_f. Draft n <= B−1 tokens (or take draft (n,) long from elsewhere: no
+    draft pass, q a point mass on each), verify them in one target pass (greedy or sampled), keep the accepted prefix
+    and a bonus. -> (the accepted drafts then the bonus, next new_f)."""
     if draft is None:  # draft: one drafter pass over [anchor, MASK, ...], then the walk (or the unary law) picks n
         h, U = draft_forward(drafter, view, anchor, new_f, draft_cache)
         path, cand, q = drafter.propose(h, U, anchor, temperature, generator, top_p=top_p, top_k=top_k, W_in=view.W_in)

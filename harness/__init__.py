@@ -1,7 +1,8 @@
 """
 The second tier: what a real run needs around the reference (dflash2.py). It plugs into dflash2.py through
 plain inputs, and what it swaps in computes dflash2.py's formulas (fast_loss: the same values, another of equally
-large candidates where they tie): delete it and dflash2.py still holds the whole algorithm. Imports run train.py -> harness -> dflash2.py; nothing here imports train.py. One module per job:
+large candidates where they tie): delete it and dflash2.py still holds the whole algorithm. Imports run
+train.py -> harness -> dflash2.py; nothing here imports train.py. One module per job:
 
     target      the frozen target: loading, dtype, its family -> the drafter's shape, RoPE and view of the
                 tables, the view check, the mask token, the features the loss reads (cached)

@@ -4,8 +4,8 @@ target's family, or warm-started from an export); the export that vLLM, SGLang a
 `dflash` package load (§7: config.json + model.safetensors, written by save_export and read by
 load_export, config.json in the z-lab layout or in vllm-project speculators'), and for train.py
 its run's folder (TrainingRun): the resume state, the identity a resumed run must share with the
-run it continues, and the run's record (metrics.jsonl, curves.png). Everything is written under a temporary name and
-renamed into place. Not here: what the drafter computes (dflash2.py), its shape on a target
+run it continues, and the run's record (metrics.jsonl, curves.png). Everything is written under a
+temporary name and renamed into place. Not here: what the drafter computes (dflash2.py), its shape on a target
 and its mask token (harness/target.py), the metrics the record holds (harness/metrics.py).
 
 As a script it writes an export for serving and prints the engines' commands for it:
@@ -554,7 +554,8 @@ class TrainingRun:
 
     def record_eval(self, step, summary):
         """An evaluation's line in the record, and curves.png drawn again."""
-        self.record({"kind": "eval", "step": step, **summary["val"], **{k: v for k, v in summary.items() if k != "val"}})
+        self.record({"kind": "eval", "step": step, **summary["val"],
+                     **{k: v for k, v in summary.items() if k != "val"}})
         if self.master:
             plot_curves(self.out_dir)
 

@@ -540,9 +540,9 @@ def uncached_features(layer_ids):
 
 
 def feature_cache(choice, target, c, train_rows, rows_drawn, out_dir, log=print):
-    """--cache-target-features -> a TargetFeatures (off: one that keeps nothing), its size logged. auto: off when no row is
-    drawn twice (rows_drawn: the run's global batches × steps), in memory when the features fit in half the free
-    memory, else on disk in OUT/target_features; disk:FOLDER puts them there (runs on one target can share it)."""
+    """--cache-target-features -> a TargetFeatures (off: one that keeps nothing), its size logged. auto: off when no
+    row is drawn twice (rows_drawn: the run's global batches × steps), in memory when the features fit in half the
+    free memory, else on disk in OUT/target_features; disk:FOLDER puts them there (runs on one target can share it)."""
     size = sum(TargetFeatures.row_bytes(len(ids), len(c.target_layer_ids), c.hidden_size, target.dtype)
                for ids in train_rows["input_ids"])
     folder = choice.removeprefix("disk:") if choice.startswith("disk:") else os.path.join(out_dir, "target_features")

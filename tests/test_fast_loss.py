@@ -123,7 +123,8 @@ def test_with_tied_bf16_logits_the_candidates_hold_the_same_values_and_untied_sl
     K-th place are common. Slot by slot, fast_loss.slot_sums against dflash2.slot_sums with torch.topk: the
     candidates' logits are the K largest of the row (a valid top-K: the same values, each index once) in every slot,
     and in each slot where no tie crosses the K-th place (the K-th and (K+1)-th largest differ) every sum is the
-    same, to 1e-10 (ties inside the top-K may order the candidates otherwise: the same terms summed in another order)."""
+    same, to 1e-6: ties inside the top-K may order the candidates otherwise, and the selector scores them in
+    float32."""
     K, n = 16, 64
     selector, view, h, g, prev, w = selector_inputs(torch.Generator().manual_seed(3), n=n)
     logits = view.logits
