@@ -319,14 +319,21 @@ def rope_tables(c):
     return tables
 
 
+GEMV_ROWS = 8  # B = 8 drafts 7 slots; at 15 (B = 16) and Qwen3-4B's shape the slices are the faster on EPYC-AVX2
+
+
 def lm_head_rows(lm_head, x):
-    """lm_head(x) for a draft block's few rows: on a CPU 512 vocabulary rows of the weight at a time, which MKL
-    multiplies faster than the whole weight (bench/RESULTS.md's records: `lm_head` of a draft block), the same values
-    to rounding; one product elsewhere, or for a head that is not a plain nn.Linear."""
+    """lm_head(x) for a draft block's few rows, on a CPU in the layout MKL multiplies fastest (bench/RESULTS.md, the
+    draft step): up to GEMV_ROWS rows as W·xᵀ, more in slices of 512 vocabulary rows of the weight; the same values
+    to rounding. One product elsewhere, or for a head that is not a plain nn.Linear."""
     if x.device.type != "cpu" or type(lm_head) is not torch.nn.Linear:
         return lm_head(x)
-    w = lm_head.weight.split(512)
-    b = lm_head.bias.split(512) if lm_head.bias is not None else [None] * len(w)
+    W, b, rows = lm_head.weight, lm_head.bias, x.reshape(-1, x.shape[-1])
+    if len(rows) <= GEMV_ROWS:
+        y = (W @ rows.T).T if b is None else torch.addmm(b[:, None], W, rows.T).T
+        return y.contiguous().reshape(*x.shape[:-1], W.shape[0])
+    w = W.split(512)
+    b = b.split(512) if b is not None else [None] * len(w)
     return torch.cat([torch.nn.functional.linear(x, w_i, b_i) for w_i, b_i in zip(w, b)], dim=-1)
 
 

@@ -509,15 +509,17 @@ def test_a_row_file_killed_mid_write_is_never_read_back(feature_target, tmp_path
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_lm_head_rows_is_the_product_read_in_vocabulary_slices(bias):
-    """A draft block's logits through lm_head_rows, over a vocabulary that 512 does not divide, against the
-    float64 product: every slice in its place, with its own bias."""
+@pytest.mark.parametrize("shape", [(1, 7), (8,), (1, 9), (15,)], ids=["7 rows in a block", "8", "9", "15"])
+def test_lm_head_rows_is_the_product_in_either_layout(shape, bias):
+    """A draft block's logits through lm_head_rows against the float64 product: up to GEMV_ROWS rows as W·xᵀ (a
+    block's leading dims kept), more in slices over a vocabulary that 512 does not divide, every slice in its place
+    with its own bias."""
     torch.manual_seed(0)
-    lm_head, x = torch.nn.Linear(24, 1300, bias=bias), torch.randn(7, 24)
+    lm_head, x = torch.nn.Linear(24, 1300, bias=bias), torch.randn(*shape, 24)
     with torch.no_grad():
         got = target.lm_head_rows(lm_head, x)
         want = x.double() @ lm_head.weight.double().T + (lm_head.bias.double() if bias else 0)
-    assert got.shape == (7, 1300) and float((got.double() - want).abs().max()) < 1e-5, \
+    assert got.shape == (*shape, 1300) and float((got.double() - want).abs().max()) < 1e-5, \
         f"lm_head_rows differs from the float64 product by {float((got.double() - want).abs().max()):.3g}"
 
 
