@@ -41,7 +41,8 @@ a user runs instead: transformers' `generate`, its prompt-lookup decoding at eac
 and target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
 identical; with the field's counts (per-request and pooled AL, acceptance per draft position),
 this CPU's break-even AL at each draft length, the hybrids' cycles and tokens by draft source, and
-one draft pass by part against a plain step.
+one draft pass by part against a plain step; then the fastest hybrid against the drafter alone at
+the write-up's setting.
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again,
 nor its wall clock timed again (wall_clock.json).
@@ -372,6 +373,42 @@ def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks,
     return runs
 
 
+def sampled_decoders(drafter, target, max_new_tokens, stop_id, draft_tokens, gate, hybrid_tokens, setting=WRITE_UP):
+    """The drafter alone at draft_tokens, then the hybrid at gate (its drafter at hybrid_tokens), sampling at setting
+    (T, top_p, top_k), each (prompt (1, P), seed) -> (new ids (n,), GenerationStats), drawing from a generator
+    seeded with seed."""
+    view = decoding_view(drafter.config, target)
+
+    def spec(p, seed, n, lookup=None):
+        return dflash2.spec_generate(drafter, target, p, max_new_tokens, *setting, stop_token_ids=[stop_id],
+                                     generator=torch.Generator(p.device).manual_seed(seed), view=view,
+                                     draft_tokens=n, lookup=lookup)
+    return {f"spec_generate, {draft_tokens} drafts": lambda p, seed: spec(p, seed, draft_tokens),
+            f"hybrid, gate {gate}": lambda p, seed: spec(p, seed, hybrid_tokens, SuffixLookup(gate=gate))}
+
+
+def sampled_wall_clock(runs, prompts):
+    """runs (sampled_decoders') on the same prompts, one warm-up call each, then prompt by prompt with the order
+    alternating, prompt i's calls seeded alike (i). Each draws its own tokens, so each prompt's rate is its own
+    new tokens over its own seconds. -> {"tokens_per_s": {name: pooled}, "al": {name: pooled AL},
+    "hybrid_over_drafter": the second run's rate over the first's, paired 95% bootstrap over prompts}."""
+    names = list(runs)
+    for run in runs.values():
+        run(prompts[0], 0)
+    tokens, seconds, cycles = ({n: [] for n in names} for _ in range(3))
+    for i, p in enumerate(prompts):
+        for name in names if i % 2 == 0 else names[::-1]:
+            t0 = dflash2.device_time(p.device)
+            _, s = runs[name](p, i)
+            seconds[name].append(dflash2.device_time(p.device) - t0)
+            tokens[name].append(s.new_tokens)
+            cycles[name].append(len(s.acceptance_lengths))
+    rate = lambda n: torch.tensor([[k / t for k, t in zip(tokens[n], seconds[n])]], dtype=torch.float64)
+    return {"tokens_per_s": {n: sum(tokens[n]) / sum(seconds[n]) for n in names},
+            "al": {n: sum(tokens[n]) / sum(cycles[n]) for n in names},
+            "hybrid_over_drafter": ratio_ci(rate(names[1]), rate(names[0]))}
+
+
 def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=None, lookup_ks=LOOKUP_KS,
                hybrid_gates=HYBRID_GATES, log=print):
     """Every decoder of `decoders` on the same prompts at T = 0, one warm-up call each (first calls
@@ -384,7 +421,8 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
     length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step); the hybrids' and
     the lookup alone's split by draft source (source_split); the best draft length and the fastest hybrid, each
     over prompt lookup's best k, the hybrid also over the drafter alone at its best draft length and over our
-    lookup alone; draft_parts on the first prompt. drafter None: what a user runs without one."""
+    lookup alone; that hybrid and that drafter alone again at the write-up's setting (sampled_wall_clock);
+    draft_parts on the first prompt. drafter None: what a user runs without one."""
     B = drafter and drafter.config.block_size
     draft_lengths = [] if drafter is None else draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
     runs = decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks, hybrid_gates)
@@ -438,6 +476,8 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
                    "hybrid_gate": gate, "hybrid_over_lookup": ratio_ci(hybrid, prompt_lookup),
                    "hybrid_over_drafter": ratio_ci(hybrid, spec),
                    "hybrid_over_our_lookup": ratio_ci(hybrid, rate("our lookup alone"))}
+    out["write_up"] = sampled_wall_clock(sampled_decoders(drafter, target, max_new_tokens, stop_id, best, gate,
+                                                          max(draft_lengths)), prompts)
     log(f"wall clock | spec_generate with {best} drafts / transformers generate "
         f"{out['vs_generate'][f'spec_generate, {best} drafts'][0]:.2f}, / prompt lookup (k = {lookup}) "
         f"{out['best']['spec_over_lookup'][0]:.2f}; the hybrid at gate {gate} / prompt lookup "
@@ -472,12 +512,13 @@ def source_split(stats):
 
 def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
     """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
-    kept in its run dir (wall_clock.json, with the flags that made it, the hybrid gates, and the drafter's
-    own, from its decoded.json): a bench started again reads it instead of timing again, unless the drafter
+    kept in its run dir (wall_clock.json, with the flags that made it, the hybrid gates, the write-up's setting
+    and the drafter's own, from its decoded.json): a bench started again reads it instead of timing again, unless the drafter
     was trained again since (or the file is one of a wall clock without these hybrid rows)."""
     out = run_dir(args.out_dir, name, 0)
     key = {"drafter": saved_key(out), "wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens,
-           "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES)}
+           "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES),
+           "write_up": list(WRITE_UP)}
     clock = saved_run(out, key, "wall_clock.json")
     if clock is not None:
         log(f"wall clock of {name}: measured before with these flags, read from {out}/wall_clock.json")
@@ -529,10 +570,15 @@ def sources_markdown(w):
     b, d = w["best"], w["draft_parts"]
     share = lambda part, whole: f"{part} ({part / whole:.0%})" if whole else f"{part}"
     number = lambda x, scale=1.0: "" if x is None else f"{x * scale:.2f}"
+    t = w["write_up"]
+    rates, als = (" against ".join(f"{x:.2f}" for x in list(t[k].values())[::-1]) for k in ("tokens_per_s", "al"))
     lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), over "
              f"prompt lookup's best k ({b['lookup_k']}): **{ci_text(*b['hybrid_over_lookup'])}**; over the drafter "
              f"alone at its best draft length ({b['draft_tokens']}): **{ci_text(*b['hybrid_over_drafter'])}**; over "
              f"our lookup alone: **{ci_text(*b['hybrid_over_our_lookup'])}**.", "",
+             f"The same two at the write-up's setting (T, top-p, top-k = {', '.join(map(str, WRITE_UP))}; prompt i "
+             f"seeded i for both, each prompt's rate its own tokens over its own seconds): the hybrid over the "
+             f"drafter alone **{ci_text(*t['hybrid_over_drafter'])}** ({rates} tok/s, pooled AL {als}).", "",
              "By draft source, all prompts together (a last cycle with one token left is the drafter's, n = 0: the "
              "draft pass runs and every draft is cut; cycle ms: a least-squares split of each prompt's decode seconds "
              "over its lookup and drafter cycles, GenerationStats hold no per-cycle times):", "",

@@ -804,12 +804,15 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
 
     def spec_generate(*a, **k):  # the draft lengths of the drafter alone (the hybrids are test_the_hybrid_rows_...'s)
         if k["lookup"] is None:
-            asked.append(k["draft_tokens"])
+            asked.append((k["draft_tokens"], "sampled" if len(a) > 4 and a[4] > 0 else "greedy"))
         return real_spec(*a, **k)
     monkeypatch.setattr(dflash2, "spec_generate", spec_generate)
     w = real.wall_clock(drafter, target, prompts, 12, stop_id=39, lookup_ks=(2, 4), log=lambda *a: None)
     monkeypatch.setattr(dflash2, "spec_generate", real_spec)
-    assert sorted(asked) == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate alone: {asked}"
+    greedy = sorted(n for n, how in asked if how == "greedy")
+    assert greedy == [3] * 4 + [5] * 4 + [7] * 4, f"draft lengths asked of spec_generate alone at T = 0: {asked}"
+    assert [n for n, how in asked if how == "sampled"] == [w["best"]["draft_tokens"]] * 4, \
+        f"the write-up setting's drafter alone: its best T = 0 draft length, a warm-up and each prompt once: {asked}"
     names = ["target_generate", "transformers generate", "prompt lookup, k = 2", "prompt lookup, k = 4",
              "spec_generate, 3 drafts", "spec_generate, 5 drafts", "spec_generate, 7 drafts",
              *(f"hybrid, gate {g}" for g in real.HYBRID_GATES), "our lookup alone"]
@@ -840,6 +843,36 @@ def test_wall_clock_times_every_decoder_and_counts_acceptance_as_a_loop_over_the
                         log=lambda *a: None)
     assert w["outputs_differ"]["prompt lookup, k = 2"] == 3 and w["outputs_differ"]["transformers generate"] == 0, \
         w["outputs_differ"]
+
+
+def test_the_sampled_wall_clock_seeds_each_prompt_alike_and_divides_each_runs_own_tokens(monkeypatch):
+    """sampled_wall_clock over 4 prompts of two stand-in decoders whose seconds and tokens are set by hand: a warm-up
+    call each, then both on every prompt with the same seed (the prompt's index), the order alternating; each rate is
+    a decoder's own tokens over its own seconds, the pooled AL its tokens over its cycles, and the ratio the hybrid's
+    rate over the drafter's, paired over prompts (ratio_ci of the per-prompt rates by hand)."""
+    clock, calls = [0.0], []
+    plan = {"alone": ([10, 12, 9, 11], [1.0, 2.0, 1.5, 1.0], 5), "hybrid": ([12, 12, 10, 14], [0.5, 1.5, 1.0, 1.0], 4)}
+
+    def run(name):
+        def call(p, seed):
+            calls.append((name, int(p[0, 0]), seed))
+            tokens, seconds, cycles = plan[name]
+            i = len([c for c in calls if c[0] == name]) - 2  # -1: the warm-up call
+            clock[0] += seconds[i] if i >= 0 else 100.0
+            return None, dflash2.GenerationStats(acceptance_lengths=[1] * cycles, new_tokens=tokens[max(i, 0)])
+        return call
+    monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
+    prompts = [torch.tensor([[i]]) for i in range(4)]
+    w = real.sampled_wall_clock({"alone": run("alone"), "hybrid": run("hybrid")}, prompts)
+    assert calls[:2] == [("alone", 0, 0), ("hybrid", 0, 0)], calls[:2]
+    timed = calls[2:]
+    assert [c[0] for c in timed] == ["alone", "hybrid", "hybrid", "alone", "alone", "hybrid", "hybrid", "alone"], timed
+    assert all(seed == prompt for _, prompt, seed in timed) and [c[1] for c in timed] == [0, 0, 1, 1, 2, 2, 3, 3]
+    rates = {n: [t / s for t, s in zip(plan[n][0], plan[n][1])] for n in plan}
+    assert w["tokens_per_s"] == pytest.approx({n: sum(plan[n][0]) / sum(plan[n][1]) for n in plan}), w
+    assert w["al"] == pytest.approx({n: sum(plan[n][0]) / (4 * plan[n][2]) for n in plan}), w
+    grid = lambda n: torch.tensor([rates[n]], dtype=torch.float64)
+    assert w["hybrid_over_drafter"] == pytest.approx(common.ratio_ci(grid("hybrid"), grid("alone"))), w
 
 
 def test_wall_clock_without_a_drafter_times_what_a_user_runs_instead():
@@ -1293,6 +1326,10 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
     monkeypatch.setattr(real, "draft_parts", lambda drafter, target, prompt: {
         "ms": {"forward": 1.0, "lm_head": 0.5, "top-K": 0.1, "walk": 0.4, "draft pass": 2.0, "plain step": 8.0},
         "parts_over_plain_step": 0.2375, "pass_over_plain_step": 0.25})
+    monkeypatch.setattr(real, "sampled_decoders", lambda *a: {})  # the write-up setting's phase: its own test
+    monkeypatch.setattr(real, "sampled_wall_clock", lambda runs, prompts: {
+        "tokens_per_s": {"alone": 1.0, "hybrid": 1.5}, "al": {"alone": 2.0, "hybrid": 2.5},
+        "hybrid_over_drafter": (1.5, 1.2, 1.8)})
     monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=block_size))
     prompts = [torch.tensor([[i]]) for i in range(len(RECORDED_TOKENS))]
@@ -1572,7 +1609,8 @@ def test_the_hybrid_rows_and_the_lookup_alone_run_beside_the_drafter_and_equal_t
 
     def spec_generate(*a, **k):
         out = real_spec(*a, **k)
-        calls.append((k["lookup"], k["draft_tokens"], out[1]))
+        if len(a) <= 4:  # at T = 0 (the write-up setting's calls pass their sampling setting)
+            calls.append((k["lookup"], k["draft_tokens"], out[1]))
         return out
     monkeypatch.setattr(dflash2, "spec_generate", spec_generate)
     w = real.wall_clock(drafter, target, TINY_PROMPTS, 12, stop_id=39, lookup_ks=(2,), log=lambda *a: None)
@@ -1634,7 +1672,8 @@ def test_the_best_gate_is_the_fastest_hybrid_row_and_is_compared_with_each_of_it
     """Hybrids at 20, 25, 50 and 30 tokens/s (gate 2.0 the fastest: neither the first gate nor the last), the
     drafter alone fastest at 5 drafts (40), prompt lookup at k = 2 (25), our lookup alone at 10: the best gate is 2.0,
     over prompt lookup 50 / 25, over the drafter alone 50 / 40, over our lookup alone 50 / 10; the markdown lists
-    every new row in the decoders' table and in the table by source, and the draft pass by part."""
+    every new row in the decoders' table and in the table by source, the two at the write-up's setting, and the draft
+    pass by part."""
     rates = {"hybrid, gate drafter": 20.0, "hybrid, gate 1.5": 25.0, "hybrid, gate 2.0": 50.0, "hybrid, gate 3.0": 30.0,
              "spec_generate, 5 drafts": 40.0, "prompt lookup, k = 2": 25.0, "our lookup alone": 10.0}
     w, _ = recorded_wall_clock(monkeypatch, rates)
@@ -1647,6 +1686,8 @@ def test_the_best_gate_is_the_fastest_hybrid_row_and_is_compared_with_each_of_it
     for row in [f"hybrid, gate {g}" for g in real.HYBRID_GATES] + ["our lookup alone"]:
         assert text.count(f"| {row} | ") == 2, f"{row}: {text.count(f'| {row} | ')} markdown rows, want 2:\n{text}"
     assert "The fastest hybrid, gate 2.0" in text and "| draft pass | 2.00 | 0.250 |" in text, text
+    assert "(1.50 against 1.00 tok/s, pooled AL 2.50 against 2.00)" in text, "the write-up setting's line: the " \
+        f"hybrid's numbers first (recorded_wall_clock's stand-in):\n{text}"
 
 
 def test_the_split_by_source_fits_each_sources_cycle_seconds_by_least_squares(monkeypatch):
