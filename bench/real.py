@@ -513,8 +513,8 @@ def source_split(stats):
 def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
     """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
     kept in its run dir (wall_clock.json, with the flags that made it, the hybrid gates, the write-up's setting
-    and the drafter's own, from its decoded.json): a bench started again reads it instead of timing again, unless the drafter
-    was trained again since (or the file is one of a wall clock without these hybrid rows)."""
+    and the drafter's own, from its decoded.json): a bench started again reads it instead of timing again, unless
+    the drafter was trained again since (or the file is one of a wall clock without these rows)."""
     out = run_dir(args.out_dir, name, 0)
     key = {"drafter": saved_key(out), "wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens,
            "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES),
@@ -571,14 +571,16 @@ def sources_markdown(w):
     share = lambda part, whole: f"{part} ({part / whole:.0%})" if whole else f"{part}"
     number = lambda x, scale=1.0: "" if x is None else f"{x * scale:.2f}"
     t = w["write_up"]
-    rates, als = (" against ".join(f"{x:.2f}" for x in list(t[k].values())[::-1]) for k in ("tokens_per_s", "al"))
+    alone, hybrid = t["tokens_per_s"]  # sampled_decoders' order
     lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), over "
              f"prompt lookup's best k ({b['lookup_k']}): **{ci_text(*b['hybrid_over_lookup'])}**; over the drafter "
              f"alone at its best draft length ({b['draft_tokens']}): **{ci_text(*b['hybrid_over_drafter'])}**; over "
              f"our lookup alone: **{ci_text(*b['hybrid_over_our_lookup'])}**.", "",
              f"The same two at the write-up's setting (T, top-p, top-k = {', '.join(map(str, WRITE_UP))}; prompt i "
              f"seeded i for both, each prompt's rate its own tokens over its own seconds): the hybrid over the "
-             f"drafter alone **{ci_text(*t['hybrid_over_drafter'])}** ({rates} tok/s, pooled AL {als}).", "",
+             f"drafter alone **{ci_text(*t['hybrid_over_drafter'])}** ({t['tokens_per_s'][hybrid]:.2f} against "
+             f"{t['tokens_per_s'][alone]:.2f} tok/s, pooled AL {t['al'][hybrid]:.2f} against {t['al'][alone]:.2f}).",
+             "",
              "By draft source, all prompts together (a last cycle with one token left is the drafter's, n = 0: the "
              "draft pass runs and every draft is cut; cycle ms: a least-squares split of each prompt's decode seconds "
              "over its lookup and drafter cycles, GenerationStats hold no per-cycle times):", "",
@@ -598,7 +600,8 @@ def sources_markdown(w):
 def draft_parts_markdown(parts, names=("the prompt",)):
     """draft_parts' results, a column of ms and one over the plain step per prompt."""
     lines = ["Medians of interleaved rounds; the walk's time includes its top-K.", "",
-             "| part | " + " | ".join(f"{n} ms | / plain step" for n in names) + " |", "|---" * (1 + 2 * len(names)) + "|"]
+             "| part | " + " | ".join(f"{n} ms | / plain step" for n in names) + " |",
+             "|---" * (1 + 2 * len(names)) + "|"]
     lines += [f"| {part} | " + " | ".join(f"{d['ms'][part]:.2f} | {d['ms'][part] / d['ms']['plain step']:.3f}"
                                            for d in parts) + " |" for part in parts[0]["ms"]]
     return lines + ["", "forward + lm_head + walk, in plain steps: " + ", ".join(
