@@ -383,15 +383,16 @@ def sampled_decoders(drafter, target, max_new_tokens, stop_id, draft_tokens, gat
         return dflash2.spec_generate(drafter, target, p, max_new_tokens, *setting, stop_token_ids=[stop_id],
                                      generator=torch.Generator(p.device).manual_seed(seed), view=view,
                                      draft_tokens=n, lookup=lookup)
-    return {f"spec_generate, {draft_tokens} drafts": lambda p, seed: spec(p, seed, draft_tokens),
-            f"hybrid, gate {gate}": lambda p, seed: spec(p, seed, hybrid_tokens, SuffixLookup(gate=gate))}
+    return {"drafter alone": lambda p, seed: spec(p, seed, draft_tokens),
+            "hybrid": lambda p, seed: spec(p, seed, hybrid_tokens, SuffixLookup(gate=gate))}
 
 
 def sampled_wall_clock(runs, prompts):
-    """runs (sampled_decoders') on the same prompts, one warm-up call each, then prompt by prompt with the order
-    alternating, prompt i's calls seeded alike (i). Each draws its own tokens, so each prompt's rate is its own
-    new tokens over its own seconds. -> {"tokens_per_s": {name: pooled}, "al": {name: pooled AL},
-    "hybrid_over_drafter": the second run's rate over the first's, paired 95% bootstrap over prompts}."""
+    """runs (sampled_decoders': "drafter alone", "hybrid") on the same prompts, one warm-up call each, then prompt
+    by prompt with the order alternating, prompt i's calls seeded alike (i). Each draws its own tokens, so each
+    prompt's rate is its own new tokens over its own seconds. -> {"tokens_per_s": {name: pooled}, "al": {name:
+    pooled AL}, "hybrid_over_drafter": the hybrid's rate over the drafter alone's, paired 95% bootstrap over
+    prompts}."""
     names = list(runs)
     for run in runs.values():
         run(prompts[0], 0)
@@ -406,7 +407,7 @@ def sampled_wall_clock(runs, prompts):
     rate = lambda n: torch.tensor([[k / t for k, t in zip(tokens[n], seconds[n])]], dtype=torch.float64)
     return {"tokens_per_s": {n: sum(tokens[n]) / sum(seconds[n]) for n in names},
             "al": {n: sum(tokens[n]) / sum(cycles[n]) for n in names},
-            "hybrid_over_drafter": ratio_ci(rate(names[1]), rate(names[0]))}
+            "hybrid_over_drafter": ratio_ci(rate("hybrid"), rate("drafter alone"))}
 
 
 def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=None, lookup_ks=LOOKUP_KS,
@@ -570,8 +571,7 @@ def sources_markdown(w):
     b, d = w["best"], w["draft_parts"]
     share = lambda part, whole: f"{part} ({part / whole:.0%})" if whole else f"{part}"
     number = lambda x, scale=1.0: "" if x is None else f"{x * scale:.2f}"
-    t = w["write_up"]
-    alone, hybrid = t["tokens_per_s"]  # sampled_decoders' order
+    t, alone, hybrid = w["write_up"], "drafter alone", "hybrid"
     lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), over "
              f"prompt lookup's best k ({b['lookup_k']}): **{ci_text(*b['hybrid_over_lookup'])}**; over the drafter "
              f"alone at its best draft length ({b['draft_tokens']}): **{ci_text(*b['hybrid_over_drafter'])}**; over "

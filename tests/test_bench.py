@@ -853,7 +853,8 @@ def test_the_sampled_wall_clock_seeds_each_prompt_alike_and_divides_each_runs_ow
     a decoder's own tokens over its own seconds, the pooled AL its tokens over its cycles, and the ratio the hybrid's
     rate over the drafter's, paired over prompts (ratio_ci of the per-prompt rates by hand)."""
     clock, calls = [0.0], []
-    plan = {"alone": ([10, 12, 9, 11], [1.0, 2.0, 1.5, 1.0], 5), "hybrid": ([12, 12, 10, 14], [0.5, 1.5, 1.0, 1.0], 4)}
+    plan = {"drafter alone": ([10, 12, 9, 11], [1.0, 2.0, 1.5, 1.0], 5),
+            "hybrid": ([12, 12, 10, 14], [0.5, 1.5, 1.0, 1.0], 4)}
 
     def run(name):
         def call(p, seed):
@@ -865,16 +866,16 @@ def test_the_sampled_wall_clock_seeds_each_prompt_alike_and_divides_each_runs_ow
         return call
     monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
     prompts = [torch.tensor([[i]]) for i in range(4)]
-    w = real.sampled_wall_clock({"alone": run("alone"), "hybrid": run("hybrid")}, prompts)
-    assert calls[:2] == [("alone", 0, 0), ("hybrid", 0, 0)], calls[:2]
+    w = real.sampled_wall_clock({"drafter alone": run("drafter alone"), "hybrid": run("hybrid")}, prompts)
+    assert calls[:2] == [("drafter alone", 0, 0), ("hybrid", 0, 0)], calls[:2]
     timed = calls[2:]
-    assert [c[0] for c in timed] == ["alone", "hybrid", "hybrid", "alone", "alone", "hybrid", "hybrid", "alone"], timed
+    assert [c[0] for c in timed] == ["drafter alone", "hybrid", "hybrid", "drafter alone"] * 2, timed
     assert all(seed == prompt for _, prompt, seed in timed) and [c[1] for c in timed] == [0, 0, 1, 1, 2, 2, 3, 3]
     rates = {n: [t / s for t, s in zip(plan[n][0], plan[n][1])] for n in plan}
     assert w["tokens_per_s"] == pytest.approx({n: sum(plan[n][0]) / sum(plan[n][1]) for n in plan}), w
     assert w["al"] == pytest.approx({n: sum(plan[n][0]) / (4 * plan[n][2]) for n in plan}), w
     grid = lambda n: torch.tensor([rates[n]], dtype=torch.float64)
-    assert w["hybrid_over_drafter"] == pytest.approx(common.ratio_ci(grid("hybrid"), grid("alone"))), w
+    assert w["hybrid_over_drafter"] == pytest.approx(common.ratio_ci(grid("hybrid"), grid("drafter alone"))), w
 
 
 def test_wall_clock_without_a_drafter_times_what_a_user_runs_instead():
@@ -1330,7 +1331,7 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
         "parts_over_plain_step": 0.2375, "pass_over_plain_step": 0.25})
     monkeypatch.setattr(real, "sampled_decoders", lambda *a: {})  # the write-up setting's phase: its own test
     monkeypatch.setattr(real, "sampled_wall_clock", lambda runs, prompts: {
-        "tokens_per_s": {"alone": 1.0, "hybrid": 1.5}, "al": {"alone": 2.0, "hybrid": 2.5},
+        "tokens_per_s": {"drafter alone": 1.0, "hybrid": 1.5}, "al": {"drafter alone": 2.0, "hybrid": 2.5},
         "hybrid_over_drafter": (1.5, 1.2, 1.8)})
     monkeypatch.setattr(dflash2, "device_time", lambda device: clock[0])
     drafter = SimpleNamespace(config=SimpleNamespace(block_size=block_size))
