@@ -39,7 +39,7 @@ suffix lookup asked first each cycle, at each of HYBRID_GATES, the drafter draft
 leaves) and our lookup alone (the same lookup and verification, no drafter draft), against what
 a user runs instead: transformers' `generate`, its prompt-lookup decoding at each of LOOKUP_KS,
 and target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
-identical; with the field's counts (per-request and pooled AL, acceptance per draft position),
+identical; speed ratios per request and pooled; with the field's counts (per-request and pooled AL, acceptance per draft position),
 this CPU's break-even AL at each draft length, the hybrids' cycles and tokens by draft source, and
 one draft pass by part against a plain step; then the fastest hybrid against the drafter alone at
 the write-up's setting.
@@ -86,6 +86,7 @@ UNARY_PATHS = {"DFlash2", "DFlash2 (factored codebooks)"}  # also decoded throug
 LOOKUP_KS = (3, 5, 10)  # transformers' prompt_lookup_num_tokens tried; the best is the baseline
 HYBRID_GATES = ("drafter", 1.5, 2.0, 3.0)  # SuffixLookup gates of the hybrid rows: the drafter's running AL, or the
 # expected AL a lookup draft must pass (each gate a decoder row: each adds a spec_generate's time to the wall clock)
+WALL_CLOCK_FORMAT = 2  # wall_clock.json's layout, in its key: 2 keeps every call's seconds and the pooled ratios
 SKIPPED_DIRS = {"test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "site-packages",
                 "pydoc_data", "__pycache__", "venv"}
 HUMANEVAL_REQUEST = "Complete the following Python function. Reply with the whole function.\n\n```python\n{}```"
@@ -417,12 +418,13 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
     prompt: each call timed whole (prefill included: transformers' generate reports no split), the
     outputs checked against target_generate's (ours, spec_generate's rows, must equal it: a difference
     stops the run; transformers' decoders may differ by float rounding of batched forwards: counted). ->
-    tokens/s per decoder, each one's ratio to transformers' generate and to target_generate with
-    paired 95% bootstrap intervals over prompts, spec_generate's acceptance counts at each draft
-    length, and this CPU's plain step, cycle and break-even AL (a cycle over a plain step); the hybrids' and
-    the lookup alone's split by draft source (source_split); the best draft length and the fastest hybrid, each
-    over prompt lookup's best k, the hybrid also over the drafter alone at its best draft length and over our
-    lookup alone; that hybrid and that drafter alone again at the write-up's setting (sampled_wall_clock);
+    tokens/s per decoder (pooled: all tokens over all seconds), each one's ratio to transformers' generate and to
+    target_generate per request (means of per-prompt rates) with paired 95% bootstrap intervals over prompts, every
+    call's seconds, spec_generate's acceptance counts at each draft length, and this CPU's plain step, cycle and
+    break-even AL (a cycle over a plain step); the hybrids' and the lookup alone's split by draft source
+    (source_split); the best draft length and the fastest hybrid, each over prompt lookup's best k, the hybrid also
+    over the drafter alone at its best draft length and over our lookup alone, each per request and pooled; that
+    hybrid and that drafter alone again at the write-up's setting (sampled_wall_clock);
     draft_parts on the first prompt. drafter None: what a user runs without one."""
     B = drafter and drafter.config.block_size
     draft_lengths = [] if drafter is None else draft_lengths or sorted({n for n in (3, 5, B - 1) if n <= B - 1})
@@ -446,7 +448,10 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
                 differ[name] += 1
     new_tokens = [int(s.new_tokens) for s in stats["target_generate"]]
     rate = lambda name: torch.tensor([[n / t for n, t in zip(new_tokens, seconds[name])]], dtype=torch.float64)
-    out = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "new_tokens": sum(new_tokens),
+    # pooled, a over b: (Σ tokens / Σ seconds_a) / (Σ tokens / Σ seconds_b), every decoder writing the same tokens
+    pooled = lambda a, b: ratio_ci(torch.tensor([seconds[b]], dtype=torch.float64),
+                                   torch.tensor([seconds[a]], dtype=torch.float64))
+    out = {"prompts": len(prompts), "max_new_tokens": max_new_tokens, "new_tokens": sum(new_tokens), "seconds": seconds,
            "tokens_per_s": {n: sum(new_tokens) / sum(seconds[n]) for n in names}, "outputs_differ": differ,
            "vs_generate": {n: ratio_ci(rate(n), rate("transformers generate")) for n in names},
            "vs_target_generate": {n: ratio_ci(rate(n), rate("target_generate")) for n in names}}
@@ -471,12 +476,12 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         return out
     best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
     gate = max(hybrid_gates, key=lambda g: out["tokens_per_s"][f"hybrid, gate {g}"])
-    spec, hybrid, prompt_lookup = (rate(f"spec_generate, {best} drafts"), rate(f"hybrid, gate {gate}"),
-                                   rate(f"prompt lookup, k = {lookup}"))
-    out["best"] = {"draft_tokens": best, "lookup_k": lookup, "spec_over_lookup": ratio_ci(spec, prompt_lookup),
-                   "hybrid_gate": gate, "hybrid_over_lookup": ratio_ci(hybrid, prompt_lookup),
-                   "hybrid_over_drafter": ratio_ci(hybrid, spec),
-                   "hybrid_over_our_lookup": ratio_ci(hybrid, rate("our lookup alone"))}
+    spec, hybrid, prompt_lookup = f"spec_generate, {best} drafts", f"hybrid, gate {gate}", f"prompt lookup, k = {lookup}"
+    pairs = {"spec_over_lookup": (spec, prompt_lookup), "hybrid_over_lookup": (hybrid, prompt_lookup),
+             "hybrid_over_drafter": (hybrid, spec), "hybrid_over_our_lookup": (hybrid, "our lookup alone")}
+    out["best"] = {"draft_tokens": best, "lookup_k": lookup, "hybrid_gate": gate,
+                   **{key: ratio_ci(rate(a), rate(b)) for key, (a, b) in pairs.items()},
+                   "pooled": {key: pooled(a, b) for key, (a, b) in pairs.items()}}
     out["write_up"] = sampled_wall_clock(sampled_decoders(drafter, target, max_new_tokens, stop_id, best, gate,
                                                           max(draft_lengths)), prompts)
     log(f"wall clock | spec_generate with {best} drafts / transformers generate "
@@ -515,10 +520,10 @@ def drafter_wall_clock(args, name, target, prompt_sets, stop_id, log=print):
     """wall_clock of drafter `name` (seed 0) on the first --wall-prompts of each named set of prompts,
     kept in its run dir (wall_clock.json, with the flags that made it, the hybrid gates, the write-up's setting
     and the drafter's own, from its decoded.json): a bench started again reads it instead of timing again, unless
-    the drafter was trained again since (or the file is one of a wall clock without these rows)."""
+    the drafter was trained again since (or the file is one of an older layout, or without these rows)."""
     out = run_dir(args.out_dir, name, 0)
     key = {"drafter": saved_key(out), "wall_prompts": args.wall_prompts, "eval_tokens": args.eval_tokens,
-           "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES),
+           "sets": list(prompt_sets), "hybrid_gates": list(HYBRID_GATES), "format": WALL_CLOCK_FORMAT,
            "write_up": list(WRITE_UP)}
     clock = saved_run(out, key, "wall_clock.json")
     if clock is not None:
@@ -554,7 +559,8 @@ def wall_clock_markdown(title, w):
     if not w["spec"]:
         return "\n".join(lines + [""])
     lines += ["", f"The drafter's best draft length here, {b['draft_tokens']}, against prompt lookup's best k, "
-              f"{b['lookup_k']}: **{ci_text(*b['spec_over_lookup'])}**.", "",
+              f"{b['lookup_k']}: **{ci_text(*b['spec_over_lookup'])}** (pooled "
+              f"{ci_text(*b['pooled']['spec_over_lookup'])}).", "",
               "| draft tokens | mean AL (per request) | pooled AL | accepted at draft position 1, 2, ... (share of "
               "cycles) | cycle ms | break-even AL |", "|---|---|---|---|---|---|"]
     lines += [f"| {n} | {c['mean_al']:.2f} | {c['pooled_al']:.2f} | {' '.join(f'{a:.2f}' for a in c['accepted_at'])} "
@@ -572,10 +578,11 @@ def sources_markdown(w):
     share = lambda part, whole: f"{part} ({part / whole:.0%})" if whole else f"{part}"
     number = lambda x, scale=1.0: "" if x is None else f"{x * scale:.2f}"
     t, alone, hybrid = w["write_up"], "drafter alone", "hybrid"
-    lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), over "
-             f"prompt lookup's best k ({b['lookup_k']}): **{ci_text(*b['hybrid_over_lookup'])}**; over the drafter "
-             f"alone at its best draft length ({b['draft_tokens']}): **{ci_text(*b['hybrid_over_drafter'])}**; over "
-             f"our lookup alone: **{ci_text(*b['hybrid_over_our_lookup'])}**.", "",
+    both = lambda key: f"**{ci_text(*b[key])}** (pooled {ci_text(*b['pooled'][key])})"
+    lines = [f"The fastest hybrid, gate {b['hybrid_gate']} (the drafter at {w['hybrid_draft_tokens']} drafts), per "
+             f"request over prompt lookup's best k ({b['lookup_k']}): {both('hybrid_over_lookup')}; over the drafter "
+             f"alone at its best draft length ({b['draft_tokens']}): {both('hybrid_over_drafter')}; over our lookup "
+             f"alone: {both('hybrid_over_our_lookup')}.", "",
              f"The same two at the write-up's setting (T, top-p, top-k = {', '.join(map(str, WRITE_UP))}; prompt i "
              f"seeded i for both, each prompt's rate its own tokens over its own seconds): the hybrid over the "
              f"drafter alone **{ci_text(*t['hybrid_over_drafter'])}** ({t['tokens_per_s'][hybrid]:.2f} against "

@@ -1693,6 +1693,22 @@ def test_the_best_gate_is_the_fastest_hybrid_row_and_is_compared_with_each_of_it
         f"hybrid's numbers first (recorded_wall_clock's stand-in):\n{text}"
 
 
+def test_the_pooled_ratios_are_all_tokens_over_all_seconds_not_the_mean_of_per_prompt_rates(monkeypatch):
+    """The fastest hybrid at 50 tokens/s on the first recorded prompt and 10 on the others, prompt lookup at 25 on
+    each: per request the hybrid is 20 / 25, pooled its tokens over its seconds against the lookup's (from the
+    recorded tokens and rates, summed here); every call's seconds are kept."""
+    rates = {"hybrid, gate 2.0": [50.0, 10.0, 10.0, 10.0], "prompt lookup, k = 2": 25.0}
+    w, _ = recorded_wall_clock(monkeypatch, rates)
+    hybrid_seconds = [t / r for t, r in zip(RECORDED_TOKENS, rates["hybrid, gate 2.0"])]
+    pooled = (sum(RECORDED_TOKENS) / sum(hybrid_seconds)) / 25.0
+    best = w["best"]
+    assert best["hybrid_gate"] == 2.0 and best["hybrid_over_lookup"][0] == pytest.approx(20 / 25), best
+    assert best["pooled"]["hybrid_over_lookup"][0] == pytest.approx(pooled) and abs(pooled - 0.8) > 0.2, \
+        f"pooled {best['pooled']['hybrid_over_lookup']}, want {pooled}"
+    assert w["seconds"]["hybrid, gate 2.0"] == pytest.approx(hybrid_seconds), w["seconds"]
+    assert f"(pooled {pooled:.2f} [" in real.wall_clock_markdown("recorded", w)
+
+
 def test_the_split_by_source_fits_each_sources_cycle_seconds_by_least_squares(monkeypatch):
     """Recorded hybrids and a lookup alone whose cycles took RECORDED_CYCLE's seconds by source: each row's counts
     are a loop over its recorded GenerationStats and its cycle seconds RECORDED_CYCLE's (an exact least-squares
