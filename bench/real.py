@@ -49,6 +49,7 @@ nor its wall clock timed again (wall_clock.json).
 """
 import argparse
 import ast
+import contextlib
 import dataclasses
 import gzip
 import importlib.util
@@ -69,7 +70,7 @@ import dflash2
 from harness import checkpoint, tiny_world
 from harness.lookup import SuffixLookup, by_source
 from harness.memory import use_huge_pages
-from harness.target import decoding_view
+from harness.target import decoding_view, verifying_in_rows
 from bench.ablation import (DRAFTERS, WRITE_UP, decoding_paths, empty_results, label, parse_settings, report,
                             run_dir, save_run, saved_key, saved_run, spec_eval, train_and_decode)
 from bench.common import (ci_text, mean_ci, median, prompts_of, ratio_ci, round_seconds, validation_rows,
@@ -293,9 +294,10 @@ def greedy_agreement(target, rows):
 
 
 @torch.no_grad()
-def verify_seconds(target, prompt, widths, repeats=20):
+def verify_seconds(target, prompt, widths, repeats=20, in_rows=False):
     """Median seconds of one target forward of w tokens after the prompt's cache, for each w of
-    widths (w = 1 is a plain decoding step; w = n + 1 verifies n drafts), interleaved rounds."""
+    widths (w = 1 is a plain decoding step; w = n + 1 verifies n drafts), interleaved rounds; in_rows: its
+    head through verifying_in_rows, as spec_generate's rows verify in wall_clock."""
     cache = dflash2.target_cache(target, forward_tokens=max(widths))  # each forward is cropped again
     target(prompt, cache=cache, use_cache=True)
 
@@ -304,7 +306,8 @@ def verify_seconds(target, prompt, widths, repeats=20):
             target(prompt[:, -w:], cache=cache, use_cache=True, output_hidden_states=w > 1)
             cache.crop(-w)
         return run
-    times = round_seconds({w: forward(w) for w in widths}, repeats)
+    with verifying_in_rows(target) if in_rows else contextlib.nullcontext():
+        times = round_seconds({w: forward(w) for w in widths}, repeats)
     return {w: median(t) for w, t in times.items()}
 
 
@@ -352,7 +355,8 @@ def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks,
     at each gate, a fresh SuffixLookup(gate=gate) asked first each cycle and the drafter drafting the longest draft
     length the other cycles; and our lookup alone, SuffixLookup(gate=0, fallback=True), which drafts every cycle, so
     spec_generate asks the drafter for no draft (a last cycle with one token left still runs its draft pass, n = 0,
-    and cuts every draft: ALGORITHM.md §5)."""
+    and cuts every draft: ALGORITHM.md §5). Every spec_generate row verifies through harness.target's
+    verifying_in_rows (transformers' rows and target_generate run the target's own head)."""
 
     def hf_generate(**extra):
         def run(p):
@@ -365,8 +369,11 @@ def decoders(drafter, target, max_new_tokens, stop_id, draft_lengths, lookup_ks,
     runs |= {f"prompt lookup, k = {k}": hf_generate(prompt_lookup_num_tokens=k) for k in lookup_ks}
     if drafter is not None:
         view = decoding_view(drafter.config, target)
-        spec = lambda p, n, lookup=None: dflash2.spec_generate(
-            drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view, draft_tokens=n, lookup=lookup)
+
+        def spec(p, n, lookup=None):
+            with verifying_in_rows(target):
+                return dflash2.spec_generate(drafter, target, p, max_new_tokens, stop_token_ids=[stop_id], view=view,
+                                             draft_tokens=n, lookup=lookup)
         runs |= {f"spec_generate, {n} drafts": lambda p, n=n: spec(p, n) for n in draft_lengths}
         runs |= {f"hybrid, gate {g}": lambda p, g=g: spec(p, max(draft_lengths), SuffixLookup(gate=g))
                  for g in hybrid_gates}
@@ -381,9 +388,10 @@ def sampled_decoders(drafter, target, max_new_tokens, stop_id, draft_tokens, gat
     view = decoding_view(drafter.config, target)
 
     def spec(p, seed, n, lookup=None):
-        return dflash2.spec_generate(drafter, target, p, max_new_tokens, *setting, stop_token_ids=[stop_id],
-                                     generator=torch.Generator(p.device).manual_seed(seed), view=view,
-                                     draft_tokens=n, lookup=lookup)
+        with verifying_in_rows(target):
+            return dflash2.spec_generate(drafter, target, p, max_new_tokens, *setting, stop_token_ids=[stop_id],
+                                         generator=torch.Generator(p.device).manual_seed(seed), view=view,
+                                         draft_tokens=n, lookup=lookup)
     return {"drafter alone": lambda p, seed: spec(p, seed, draft_tokens),
             "hybrid": lambda p, seed: spec(p, seed, hybrid_tokens, SuffixLookup(gate=gate))}
 
@@ -463,7 +471,8 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         cycles = sum(len(s.acceptance_lengths) for s in spec)
         cycle = sum(s.decode_seconds for s in spec) / cycles
         out["spec"][n] = {**acceptance_counts(spec, n), "cycle_seconds": cycle, "break_even_al": cycle / step}
-    out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}))
+    out["verify_seconds"] = verify_seconds(target, prompts[0], sorted({1} | {n + 1 for n in draft_lengths}),
+                                           in_rows=True)
     if drafter is not None:
         mixed = [f"hybrid, gate {g}" for g in hybrid_gates] + ["our lookup alone"]
         out["hybrid_draft_tokens"], out["sources"] = max(draft_lengths), {n: source_split(stats[n]) for n in mixed}

@@ -1325,7 +1325,7 @@ def recorded_wall_clock(monkeypatch, rates=None, outputs=None, block_size=8, loo
             f"spec_generate, {n} drafts": replay(f"spec_generate, {n} drafts", n) for n in draft_lengths} | {
             name: replay(name) for name in mixed}
     monkeypatch.setattr(real, "decoders", decoders)
-    monkeypatch.setattr(real, "verify_seconds", lambda target, prompt, widths: {w: 0.01 * w for w in widths})
+    monkeypatch.setattr(real, "verify_seconds", lambda target, prompt, widths, in_rows: {w: 0.01 * w for w in widths})
     monkeypatch.setattr(real, "draft_parts", lambda drafter, target, prompt: {
         "ms": {"forward": 1.0, "lm_head": 0.5, "top-K": 0.1, "walk": 0.4, "draft pass": 2.0, "plain step": 8.0},
         "parts_over_plain_step": 0.2375, "pass_over_plain_step": 0.25})

@@ -16,8 +16,9 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 from harness import checkpoint, regenerate, target
 import train
-from conftest import plain_greedy, tiny_qwen3
+from conftest import ForcedLookup, plain_greedy, tiny_qwen3
 from dflash2 import spec_generate, target_generate
+from tests.conftest import tiny_drafter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -628,6 +629,33 @@ def test_the_decoding_views_logits_are_the_targets_own(case):
     error = float((got.double() - want).abs().max() / want.abs().max())
     assert error < 1e-2 if case.startswith("bf16") else error < 1e-5, \
         f"{case}: the decoding view's logits differ from the target's by {error:.3g} (relative)"
+
+
+def test_verifying_in_rows_keeps_greedy_decoding_the_targets_and_puts_its_head_back():
+    """spec_generate inside verifying_in_rows with a lookup right for 12 (all), none (the drafter drafts), 3 and 7 of
+    its 12 tokens: 5-row verifications of the drafter's B = 5 block as W·xᵀ, 13-row ones in lm_head_rows' slices of a
+    1300-token vocabulary. The output is target_generate's, run outside the block; inside, the target's logits are
+    the float64 product of its final hidden states; after the block, and after one that raised, its own head is back."""
+    model = tiny_qwen3(vocab_size=1300, num_layers=3)
+    drafter = tiny_drafter(model, block_size=5, target_layer_ids=[0, 1])
+    prompt, head = torch.tensor([[5, 9, 1, 7, 40]]), model.get_output_embeddings()
+    plain, _ = target_generate(model, prompt, 42)  # 12 past the 30 decoded: what the lookup's last draft reads
+    lookup = ForcedLookup(prompt[0].tolist() + plain.tolist(), [12, None, 3, 7], 12, 1300)
+    with target.verifying_in_rows(model):
+        spec, stats = spec_generate(drafter, model, prompt, 30, lookup=lookup)
+        with torch.no_grad():
+            out = model(prompt, output_hidden_states=True)
+        want = out.hidden_states[-1].double() @ head.weight.double().T
+        assert isinstance(model.get_output_embeddings(), target.RowsHead)
+        assert float((out.logits.double() - want).abs().max()) < 1e-9, "the rows head's logits are not the product"
+    assert spec.tolist() == plain[:30].tolist(), f"verifying in rows: {spec.tolist()}\ntarget_generate: {plain[:30]}"
+    assert {"lookup", "drafter"} <= set(stats.sources) and max(stats.acceptance_lengths) == 13, \
+        f"sources {stats.sources}, acceptance lengths {stats.acceptance_lengths}: a whole 12-token lookup wanted"
+    assert model.get_output_embeddings() is head, "the target's own head is not back after the block"
+    with pytest.raises(KeyboardInterrupt):
+        with target.verifying_in_rows(model):
+            raise KeyboardInterrupt
+    assert model.get_output_embeddings() is head, "the target's own head is not back after a block that raised"
 
 
 def test_one_residual_stream_a_layer_is_a_plain_residual_not_a_hyper_connection():
