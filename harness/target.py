@@ -347,7 +347,6 @@ def decoding_view(c, target):
                               lambda g: dflash2.transformed_logits(c, lm_head_rows(lm_head, g.to(lm_head.weight.dtype))))
 
 
-
 class RowsHead(torch.nn.Module):
     """A target's lm_head computed by lm_head_rows (its weight the head's own): what verifying_in_rows swaps in."""
 
@@ -367,13 +366,14 @@ class RowsHead(torch.nn.Module):
 def verifying_in_rows(target):
     """The target's lm_head through lm_head_rows inside the block, its own again after it: a spec_generate
     verification's 2 to B rows (or a lookup draft's) in the faster layout on a CPU, the same values to rounding
-    (bench/RESULTS.md, the hybrid on a CPU). One-token forwards (target_generate) are left to the module's own."""
+    (bench/RESULTS.md, the hybrid on a CPU). target_generate, run outside it, keeps the module's own."""
     head = target.get_output_embeddings()
     target.set_output_embeddings(RowsHead(head))
     try:
         yield target
     finally:
         target.set_output_embeddings(head)
+
 
 # Families whose embedding module RMS-normalises the rows, without a weight, before the first layer. Their
 # published drafter configs declare no transform, and the engines embed the raw rows: the drafter follows the
