@@ -39,10 +39,10 @@ suffix lookup asked first each cycle, at each of HYBRID_GATES, the drafter draft
 leaves) and our lookup alone (the same lookup and verification, no drafter draft), against what
 a user runs instead: transformers' `generate`, its prompt-lookup decoding at each of LOOKUP_KS,
 and target_generate; T = 0, prompt by prompt after a warm-up call of each, outputs checked
-identical; speed ratios per request and pooled; with the field's counts (per-request and pooled AL, acceptance per draft position),
-this CPU's break-even AL at each draft length, the hybrids' cycles and tokens by draft source, and
-one draft pass by part against a plain step; then the fastest hybrid against the drafter alone at
-the write-up's setting.
+identical; speed ratios per request and pooled; with the field's counts (per-request and pooled
+AL, acceptance per draft position), this CPU's break-even AL at each draft length, the hybrids'
+cycles and tokens by draft source, and one draft pass by part against a plain step; then the
+fastest hybrid against the drafter alone at the write-up's setting.
 A killed run started again goes on: the world from its cache, each drafter from its
 resume.pt, and a drafter measured before (its decoded.json) is neither trained nor decoded again,
 nor its wall clock timed again (wall_clock.json).
@@ -485,7 +485,8 @@ def wall_clock(drafter, target, prompts, max_new_tokens, stop_id, draft_lengths=
         return out
     best = max(draft_lengths, key=lambda n: out["tokens_per_s"][f"spec_generate, {n} drafts"])
     gate = max(hybrid_gates, key=lambda g: out["tokens_per_s"][f"hybrid, gate {g}"])
-    spec, hybrid, prompt_lookup = f"spec_generate, {best} drafts", f"hybrid, gate {gate}", f"prompt lookup, k = {lookup}"
+    spec, hybrid = f"spec_generate, {best} drafts", f"hybrid, gate {gate}"
+    prompt_lookup = f"prompt lookup, k = {lookup}"
     pairs = {"spec_over_lookup": (spec, prompt_lookup), "hybrid_over_lookup": (hybrid, prompt_lookup),
              "hybrid_over_drafter": (hybrid, spec), "hybrid_over_our_lookup": (hybrid, "our lookup alone")}
     out["best"] = {"draft_tokens": best, "lookup_k": lookup, "hybrid_gate": gate,
